@@ -1,0 +1,113 @@
+"""Settings shared by the shim, the hooks and the CLI.
+
+Precedence, highest first: explicit arguments, ``GPUSNAP_*`` environment variables, the config
+file (``/etc/gpusnap/config.toml``, or ``GPUSNAP_CONFIG``), built-in defaults. Every filesystem
+root is injectable so tests point the code at fake ``/dev``, ``/proc``, ``/etc`` trees.
+
+Only the standard library is imported here: the runtime shim loads this on every call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from gpusnap.errors import UsageError
+
+DEFAULT_CONFIG_FILE = Path("/etc/gpusnap/config.toml")
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """Where the host's pseudo-filesystems and system directories are (``/`` in production)."""
+
+    root: Path = Path("/")
+
+    @property
+    def dev(self) -> Path:
+        return self.root / "dev"
+
+    @property
+    def proc(self) -> Path:
+        return self.root / "proc"
+
+    @property
+    def sys(self) -> Path:
+        return self.root / "sys"
+
+    @property
+    def etc(self) -> Path:
+        return self.root / "etc"
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: HostPaths = field(default_factory=HostPaths)
+    run_dir: Path = Path("/run/gpusnap")  # per-boot state: runc-direct containers, restore markers
+    state_dir: Path = Path("/var/lib/gpusnap")  # persistent state: IPAM, GPU assignments
+    store_dir: Path = Path("/var/lib/gpusnap/store")  # the local OCI image-layout store
+    runc: str | None = None  # path of the real runc; None = first `runc` on PATH that is not us
+    criu: str | None = None  # path of CRIU; None = `criu` on PATH
+    gpu_backend: str = "auto"  # auto | nvidia | none | standin:<state-dir>
+    lock_timeout_ms: int = 10_000  # how long the GPU lock may wait for in-flight work
+    hook_path: str | None = None  # gpusnap-hook binary to inject; None = next to the shim
+    config_file: Path = DEFAULT_CONFIG_FILE
+
+
+_ENV = {
+    "GPUSNAP_ROOT": "host",
+    "GPUSNAP_RUN_DIR": "run_dir",
+    "GPUSNAP_STATE_DIR": "state_dir",
+    "GPUSNAP_STORE": "store_dir",
+    "GPUSNAP_RUNC": "runc",
+    "GPUSNAP_CRIU": "criu",
+    "GPUSNAP_GPU_BACKEND": "gpu_backend",
+    "GPUSNAP_LOCK_TIMEOUT_MS": "lock_timeout_ms",
+    "GPUSNAP_HOOK": "hook_path",
+}
+
+_FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"root"}
+
+
+def _coerce(name: str, value: object, source: str) -> object:
+    if name == "host":
+        return HostPaths(Path(str(value)))
+    if name in ("run_dir", "state_dir", "store_dir"):
+        return Path(str(value))
+    if name == "lock_timeout_ms":
+        try:
+            return int(str(value))
+        except ValueError:
+            raise UsageError(f"{source}: lock_timeout_ms must be a whole number of milliseconds, got {value!r}") from None
+    return str(value)
+
+
+def load_settings(env: Mapping[str, str] | None = None, config_file: Path | None = None, **overrides: object) -> Settings:
+    """Build :class:`Settings` from defaults, the config file, the environment and ``overrides``."""
+    env = os.environ if env is None else env
+    path = config_file or Path(env.get("GPUSNAP_CONFIG", str(DEFAULT_CONFIG_FILE)))
+    values: dict[str, object] = {"config_file": path}
+    if path.is_file():
+        import tomllib  # only when a file exists: keeps the shim's cold start small
+
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise UsageError(f"{path}: not valid TOML ({exc}); fix or remove the file") from None
+        unknown = set(data) - _FILE_KEYS
+        if unknown:
+            raise UsageError(f"{path}: unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(_FILE_KEYS))}")
+        for key, val in data.items():
+            name = "host" if key == "root" else key
+            values[name] = _coerce(name, val, str(path))
+    for var, name in _ENV.items():
+        if env.get(var):
+            values[name] = _coerce(name, env[var], var)
+    for name, val in overrides.items():
+        if val is not None:
+            values[name] = val if isinstance(val, HostPaths) else _coerce(name, val, name)
+    if "store_dir" not in values and "state_dir" in values:
+        values["store_dir"] = Path(str(values["state_dir"])) / "store"
+    return replace(Settings(), **values)  # type: ignore[arg-type]

@@ -1,0 +1,81 @@
+"""The record gpusnap writes into every checkpoint image directory (``gpusnap.json``).
+
+It travels with the CRIU images (engines export the whole directory), is read back at restore
+to check the host before anything changes, and becomes the artifact's config blob in packaging.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+METADATA_FILE = "gpusnap.json"
+METADATA_VERSION = 1
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str
+    memory_total_bytes: int
+    driver_version: str = ""
+    cuda_version: str = ""  # driver API version, e.g. "13.0"
+    vendor: str = "nvidia"
+
+
+@dataclass
+class GpuProcess:
+    host_pid: int  # PID on the host at checkpoint time (changes at restore)
+    ns_pid: int  # PID inside the container's PID namespace (kept by CRIU)
+    gpu_memory_bytes: int = 0
+    gpu_uuids: list[str] = field(default_factory=list)
+    comm: str = ""
+
+
+@dataclass
+class CheckpointMetadata:
+    container_id: str
+    created: str  # RFC 3339, UTC
+    version: int = METADATA_VERSION
+    runtime: str = "gpusnap-runtime"
+    runtime_version: str = ""
+    runc_version: str = ""
+    criu_version: str = ""
+    kernel: str = ""
+    arch: str = ""
+    hostname: str = ""
+    gpu_backend: str = "none"
+    gpus: list[GpuInfo] = field(default_factory=list)
+    processes: list[GpuProcess] = field(default_factory=list)
+    leave_running: bool = False
+    tcp_established: bool = False
+    timings_s: dict[str, float] = field(default_factory=dict)  # step name -> seconds
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CheckpointMetadata":
+        data = dict(data)
+        data["gpus"] = [GpuInfo(**g) for g in data.get("gpus", [])]
+        data["processes"] = [GpuProcess(**p) for p in data.get("processes", [])]
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def write(self, image_dir: Path) -> Path:
+        path = image_dir / METADATA_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def read(cls, image_dir: Path) -> "CheckpointMetadata | None":
+        path = image_dir / METADATA_FILE
+        if not path.is_file():
+            return None
+        return cls.from_dict(json.loads(path.read_text()))

@@ -1,0 +1,124 @@
+"""Explicit sequences of steps, each with its undo, so rollback is structural.
+
+Checkpoint and restore are written as a list of :class:`Step`. :func:`run_steps` runs them in
+order, times each one, and on any failure (an exception, or a signal turned into one by
+:func:`signals_as_exceptions`) runs the undo of every step that completed, newest first, then
+raises :class:`StepFailed` naming the step and the cause. An undo that itself fails does not
+stop the other undos; it is reported in the error so nothing is silently left behind.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpusnap.errors import ExitCode, GpusnapError
+
+
+@dataclass
+class Step:
+    """One unit of work and, if it changes anything, how to take that change back."""
+
+    name: str
+    do: Callable[[], Any]
+    undo: Callable[[], None] | None = None
+
+
+@dataclass
+class StepRecord:
+    name: str
+    seconds: float
+    result: Any = None
+
+
+@dataclass
+class StepFailed(GpusnapError):
+    """A step failed; completed steps were undone (see ``undo_errors`` for undos that failed)."""
+
+    step: str
+    cause: BaseException
+    completed: list[StepRecord] = field(default_factory=list)
+    undone: list[str] = field(default_factory=list)
+    undo_errors: list[tuple[str, BaseException]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        msg = f"{self.step} failed: {self.cause}"
+        if self.undo_errors:
+            left = "; ".join(f"undo of {n} failed: {e}" for n, e in self.undo_errors)
+            msg += f" — rollback incomplete: {left}"
+        elif self.undone:
+            msg += f" (rolled back: {', '.join(self.undone)})"
+        GpusnapError.__init__(self, msg)
+        if self.undo_errors:
+            self.exit_code = ExitCode.ROLLBACK_FAILED
+        elif isinstance(self.cause, GpusnapError):
+            self.exit_code = self.cause.exit_code
+
+    def __str__(self) -> str:  # dataclass would otherwise replace Exception.__str__
+        return GpusnapError.__str__(self)
+
+    __hash__ = object.__hash__
+
+
+class Interrupted(GpusnapError):
+    """A termination signal arrived while steps were running."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def run_steps(steps: Sequence[Step], *, clock: Callable[[], float] = time.perf_counter) -> list[StepRecord]:
+    """Run ``steps`` in order; on failure undo the completed ones in reverse and raise StepFailed."""
+    completed: list[tuple[Step, StepRecord]] = []
+    for step in steps:
+        start = clock()
+        try:
+            result = step.do()
+        except BaseException as exc:  # noqa: BLE001 - signals and SystemExit must roll back too
+            undone, undo_errors = _undo(completed)
+            raise StepFailed(
+                step=step.name,
+                cause=exc,
+                completed=[r for _, r in completed],
+                undone=undone,
+                undo_errors=undo_errors,
+            ) from exc
+        completed.append((step, StepRecord(step.name, clock() - start, result)))
+    return [r for _, r in completed]
+
+
+def _undo(completed: list[tuple[Step, StepRecord]]) -> tuple[list[str], list[tuple[str, BaseException]]]:
+    undone: list[str] = []
+    errors: list[tuple[str, BaseException]] = []
+    for step, _ in reversed(completed):
+        if step.undo is None:
+            continue
+        try:
+            step.undo()
+            undone.append(step.name)
+        except BaseException as exc:  # noqa: BLE001 - keep undoing the rest
+            errors.append((step.name, exc))
+    return undone, errors
+
+
+@contextmanager
+def signals_as_exceptions(signums: Sequence[int] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) -> Iterator[None]:
+    """Turn termination signals into :class:`Interrupted` so running steps roll back.
+
+    Only usable from the main thread (Python delivers signals there).
+    """
+
+    def handler(signum: int, _frame: object) -> None:
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

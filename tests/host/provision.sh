@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Provision a fresh Debian 12 machine (as root) with the real container stack the integration
+# tests drive: runc, podman, docker.io + containerd (dockerd started, experimental on),
+# docker-registry, skopeo, busybox-static, and CRIU >= 4.0 from Debian 13 in a private prefix
+# (Debian 12's CRIU 3.17 fails on kernel 6.x and Debian 13's needs glibc 2.38: the host libc is
+# never upgraded). Idempotent: every step checks before it acts, so running it twice is cheap.
+set -euo pipefail
+
+CRIU_PREFIX=${GPUSNAP_CRIU_PREFIX:-/opt/gpusnap-criu}
+LOG=${GPUSNAP_PROVISION_LOG:-/tmp/gpusnap-provision.log}
+export DEBIAN_FRONTEND=noninteractive
+
+say() { printf '[provision] %s\n' "$*"; }
+
+[ "$(id -u)" = 0 ] || { echo "provision.sh: must run as root (try: sudo $0)" >&2; exit 2; }
+
+apt_ready=0
+apt_update() { [ $apt_ready = 1 ] || { apt-get update -qq >>"$LOG" 2>&1; apt_ready=1; }; }
+
+# ---- Debian 12 packages -------------------------------------------------------------------
+PKGS=(runc podman conmon crun docker.io containerd docker-registry skopeo busybox-static
+      iptables nftables iproute2 uidmap fuse-overlayfs slirp4netns containernetworking-plugins
+      zstd curl jq python3-venv procps psmisc e2fsprogs)
+missing=()
+for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]}"
+  apt_update
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >>"$LOG" 2>&1
+fi
+# The docker-registry package starts its own service on :5000 on some hosts; tests start their own.
+systemctl disable --now docker-registry >/dev/null 2>&1 || true
+
+# ---- Debian 13 suite, pinned low so nothing else upgrades ---------------------------------
+if ! grep -rqs trixie /etc/apt/sources.list.d/; then
+  say "adding the trixie suite (pin 100)"
+  printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: trixie\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    > /etc/apt/sources.list.d/trixie.sources
+  printf 'Package: *\nPin: release n=trixie\nPin-Priority: 100\n' > /etc/apt/preferences.d/trixie
+  apt_ready=0
+fi
+
+# ---- CRIU 4.x in a private prefix ----------------------------------------------------------
+if ! "$CRIU_PREFIX/bin/criu" --version 2>/dev/null | grep -q 'Version: 4'; then
+  say "installing CRIU 4.x into $CRIU_PREFIX"
+  apt_update
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download -t trixie criu libcompel1 libc6 libgnutls30t64 libnettle8t64 \
+     libhogweed6t64 libunistring5 libp11-kit0 libidn2-0 libtasn1-6 libgmp10 libbsd0 libnet1 \
+     libnftables1 libnl-3-200 libprotobuf-c1 libuuid1 libmd0 libjansson4 libmnl0 libnftnl11 \
+     libxtables12 libffi8 libedit2 libtinfo6 libbz2-1.0 libzstd1 libseccomp2 >>"$LOG" 2>&1)
+  rm -rf "$CRIU_PREFIX"; mkdir -p "$CRIU_PREFIX/bin" "$CRIU_PREFIX/root"
+  for f in "$tmp"/*.deb; do dpkg -x "$f" "$CRIU_PREFIX/root"; done
+  rm -rf "$tmp" "$CRIU_PREFIX/root/usr/share/doc" "$CRIU_PREFIX/root/usr/share/man"
+  cat > "$CRIU_PREFIX/bin/criu" <<'EOS'
+#!/bin/sh
+# CRIU 4.x from Debian 13 with its own glibc, run through its own dynamic loader.
+P=$(dirname "$(dirname "$(readlink -f "$0")")")/root
+exec "$P/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" --library-path "$P/usr/lib/x86_64-linux-gnu" "$P/usr/sbin/criu" "$@"
+EOS
+  chmod 0755 "$CRIU_PREFIX/bin/criu"
+fi
+# runc (and podman's runc) look CRIU up as `criu` on PATH.
+ln -sf "$CRIU_PREFIX/bin/criu" /usr/local/sbin/criu
+mkdir -p /etc/criu
+
+# ---- peer tools from Debian 13 (Go binaries, no glibc 2.38 needed) ------------------------
+for tool in checkpointctl oras; do
+  if ! command -v "$tool" >/dev/null 2>&1; then
+    say "installing $tool (trixie)"
+    apt_update
+    apt-get install -y -qq --no-install-recommends -t trixie "$tool" >>"$LOG" 2>&1 || say "warning: $tool not installed"
+  fi
+done
+
+# ---- rlimits: the hard nofile limit here is 20000, engines ask for more -------------------
+mkdir -p /etc/containers
+if ! grep -qs 'default_ulimits' /etc/containers/containers.conf; then
+  say "lowering podman default ulimits"
+  cat >> /etc/containers/containers.conf <<'EOS'
+[containers]
+default_ulimits = ["nofile=10000:10000", "nproc=4096:4096"]
+EOS
+fi
+
+python3 - <<'PY'
+import json, os
+p = "/etc/docker/daemon.json"
+os.makedirs("/etc/docker", exist_ok=True)
+cfg = json.load(open(p)) if os.path.exists(p) and os.path.getsize(p) else {}
+want = {"experimental": True,
+        "default-ulimits": {"nofile": {"Name": "nofile", "Hard": 10000, "Soft": 10000},
+                             "nproc": {"Name": "nproc", "Hard": 4096, "Soft": 4096}}}
+if any(cfg.get(k) != v for k, v in want.items()):
+    cfg.update(want)
+    json.dump(cfg, open(p, "w"), indent=2)
+    print("[provision] wrote", p)
+PY
+
+# ---- dockerd (with its containerd), started in the background if not answering ------------
+if ! /usr/bin/docker info >/dev/null 2>&1; then
+  say "starting dockerd"
+  pgrep -x dockerd >/dev/null && pkill -x dockerd && sleep 2 || true
+  PATH=/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin setsid nohup /usr/sbin/dockerd >/var/log/gpusnap-dockerd.log 2>&1 < /dev/null &
+  for _ in $(seq 60); do /usr/bin/docker info >/dev/null 2>&1 && break; sleep 1; done
+  /usr/bin/docker info >/dev/null 2>&1 || { echo "dockerd did not start; see /var/log/gpusnap-dockerd.log" >&2; exit 1; }
+fi
+
+# ---- a busybox image for podman and docker, made locally (no pulls possible) --------------
+if ! podman image exists localhost/gpusnap-busybox:latest 2>/dev/null || ! /usr/bin/docker image inspect gpusnap-busybox:latest >/dev/null 2>&1; then
+  say "building the busybox image"
+  tmp=$(mktemp -d); mkdir -p "$tmp"/{bin,tmp,proc,sys,dev,etc}
+  cp /bin/busybox "$tmp/bin/busybox"
+  for a in sh ls cat echo sleep seq nc httpd wc date true false kill ps head tail grep; do ln -sf busybox "$tmp/bin/$a"; done
+  tar -C "$tmp" -cf "$tmp.tar" .
+  podman import --quiet "$tmp.tar" localhost/gpusnap-busybox:latest >/dev/null
+  /usr/bin/docker import "$tmp.tar" gpusnap-busybox:latest >/dev/null
+  rm -rf "$tmp" "$tmp.tar"
+fi
+
+"$CRIU_PREFIX/bin/criu" check >>"$LOG" 2>&1 || { echo "criu check failed; see $LOG" >&2; exit 1; }
+say "ready: $(runc --version | head -1), $(podman --version), $(/usr/bin/docker --version), CRIU $("$CRIU_PREFIX/bin/criu" --version | head -1)"
