@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.config import Settings
+from gpusnap.criu.config import EXTRA_OPTIONS_ANNOTATION
 from gpusnap.errors import MissingDependencyError, UsageError
 from gpusnap.gpu.discovery import DeviceNode, DriverFile, Inventory, discover
 from gpusnap.gpu.selection import Selection, already_injected, cdi_device_paths, select
@@ -277,6 +278,11 @@ def add_criu_config(spec: dict[str, Any], libdir: str | None, criu_env: dict[str
     ann = spec.setdefault("annotations", {})
     if libdir:
         ann[ANN_CRIU_LIBDIR] = libdir
+        # The shim's CRIU config file (gpusnap.criu.config) takes extra long options from this
+        # annotation; "libdir DIR" is a valid line of CRIU's config syntax.
+        opts = [o.strip() for o in ann.get(EXTRA_OPTIONS_ANNOTATION, "").split(",") if o.strip()]
+        opts = [o for o in opts if not o.lstrip("-").startswith("libdir")] + [f"libdir {libdir}"]
+        ann[EXTRA_OPTIONS_ANNOTATION] = ",".join(opts)
     if criu_env:
         ann[ANN_CRIU_ENV] = json.dumps(dict(sorted(criu_env.items())), separators=(",", ":"))
 
@@ -308,8 +314,44 @@ def apply_plan(spec: dict[str, Any], plan: InjectionPlan) -> dict[str, Any]:
     return spec
 
 
+def strip_own_injection(spec: dict[str, Any]) -> bool:
+    """Take out what an earlier pass of :class:`GpuInjection` put in (its annotation says so):
+    GPU device nodes, their allow rules, and the driver mounts. At restore this lets the current
+    host's nodes (the UVM major is dynamic) and library files replace the checkpointing host's
+    behind the same stable paths. Returns False when the spec holds no injection of ours."""
+    annotations = spec.get("annotations") or {}
+    if ANN_ASSIGNED not in annotations:
+        return False
+    linux = spec.get("linux") or {}
+    devices = linux.get("devices") or []
+    ours = [d for d in devices if str(d.get("path", "")).startswith(("/dev/nvidia", "/dev/kfd", "/dev/dri/"))]
+    linux["devices"] = [d for d in devices if d not in ours]
+    gone = {(d.get("type", "c"), d.get("major"), d.get("minor")) for d in ours}
+    resources = linux.get("resources") or {}
+    if "devices" in resources:
+        resources["devices"] = [
+            r for r in resources["devices"]
+            if not (r.get("allow") and r.get("access") == "rwm" and (r.get("type"), r.get("major"), r.get("minor")) in gone)
+        ]
+    spec["mounts"] = [m for m in spec.get("mounts") or [] if not str(m.get("destination", "")).startswith("/usr/local/gpusnap/driver/")]
+    for key in (ANN_ASSIGNED, ANN_VENDOR, ANN_CRIU_ENV):
+        annotations.pop(key, None)
+    if annotations.pop(ANN_CRIU_LIBDIR, None) is not None:
+        opts = [o for o in annotations.get(EXTRA_OPTIONS_ANNOTATION, "").split(",") if o.strip() and not o.strip().lstrip("-").startswith("libdir")]
+        if opts:
+            annotations[EXTRA_OPTIONS_ANNOTATION] = ",".join(opts)
+        else:
+            annotations.pop(EXTRA_OPTIONS_ANNOTATION, None)
+    return True
+
+
 class GpuInjection:
-    """The modifier-chain entry: discover, select, inject. Does nothing for non-GPU containers."""
+    """The modifier-chain entry (gpusnap.ocispec.modifiers.SpecModifier): discover, select,
+    inject. Does nothing for containers that ask for no GPUs.
+
+    It runs at create/run and again at restore; a spec it already modified is refreshed (its
+    own entries replaced by the current host's), never doubled.
+    """
 
     name = "gpu-devices"
 
@@ -326,12 +368,16 @@ class GpuInjection:
         self._env = env
         self._shim_path = shim_path
 
-    def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
+    def modify(self, spec: dict[str, Any]) -> dict[str, Any]:
         from gpusnap.gpu.selection import find_request
 
         if find_request(spec) is None:
             return spec  # the common case: no discovery at all for CPU containers
+        strip_own_injection(spec)
         plan = plan_injection(spec, self.settings, self._discover(self.settings), env=self._env, shim_path=self._shim_path)
         return spec if plan is None else apply_plan(spec, plan)
 
-    apply = __call__
+    def apply(self, spec: dict[str, Any], ctx: Any = None) -> list[Any]:
+        """SpecModifier: edit ``spec`` in place; no host-side steps are needed."""
+        self.modify(spec)
+        return []
