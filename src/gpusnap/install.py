@@ -63,6 +63,7 @@ class FileEdit:
     old: str | None  # None: the file does not exist
     new: str | None  # None: remove the file
     summary: str
+    owned: bool = False  # the whole file is gpusnap's: no backup before changing it
 
     @property
     def changes(self) -> bool:
@@ -108,7 +109,7 @@ def _check_name(name: str) -> None:
 def _read(path: Path) -> str | None:
     try:
         return path.read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
@@ -168,7 +169,7 @@ def plan_podman(opts: InstallOptions, remove: bool = False) -> list[FileEdit]:
     for stage in HOOK_STAGES:
         path, doc = hooks_d_file(opts, stage)
         new = None if remove else json.dumps(doc, indent=2) + "\n"
-        edits.append(FileEdit(path, _read(path), new, f"hooks.d entry: gpusnap-hook {stage} for containers annotated gpusnap.io/gpus"))
+        edits.append(FileEdit(path, _read(path), new, f"hooks.d entry: gpusnap-hook {stage} for containers annotated gpusnap.io/gpus", owned=True))
     dropin = opts.paths.containers_conf_d / f"50-{opts.name}.conf"
     new_conf: str | None = None
     if not remove:
@@ -180,7 +181,7 @@ def plan_podman(opts: InstallOptions, remove: bool = False) -> list[FileEdit]:
             f"[engine]\nruntime_supports_json = {_toml_list(names)}\n\n"
             f"[engine.runtimes]\n{opts.name} = {_toml_list([opts.runtime_path])}\n"
         )
-    edits.append(FileEdit(dropin, _read(dropin), new_conf, f"containers.conf runtime {opts.name!r} -> {opts.runtime_path} (in runtime_supports_json)"))
+    edits.append(FileEdit(dropin, _read(dropin), new_conf, f"containers.conf runtime {opts.name!r} -> {opts.runtime_path} (in runtime_supports_json)", owned=True))
     return edits
 
 
@@ -319,7 +320,7 @@ def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
 
 
 def _edit_step(edit: FileEdit, stamp: str, changes: list[Change]) -> Step:
-    backup = edit.path.with_name(f"{edit.path.name}.gpusnap-{stamp}.bak") if edit.old is not None else None
+    backup = edit.path.with_name(f"{edit.path.name}.gpusnap-{stamp}.bak") if edit.old is not None and not edit.owned else None
 
     def do() -> None:
         if backup is not None:
