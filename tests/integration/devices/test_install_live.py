@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from devstack import BIN, DOCKER, DOCKER_IMAGE, PROBE, GpuShim, etc_lock, expected_nodes, make_gpu_shim, parse_probe, run, unique
+from devstack import BIN, DOCKER, DOCKER_IMAGE, PODMAN_IMAGE, PROBE, GpuShim, etc_lock, expected_nodes, make_gpu_shim, parse_probe, run, unique
 
 pytestmark = [
     pytest.mark.integration,
@@ -107,3 +107,56 @@ def test_uninstall_leaves_daemon_json_as_it_was(tmp_path: Path) -> None:
             gpusnap_install("uninstall", "docker", "--name", name)
             for b in set(DAEMON_JSON.parent.glob("daemon.json.gpusnap-*.bak")) - backups_before:
                 b.unlink()
+
+
+def test_install_containerd_config_is_read_by_containerd(tmp_path: Path) -> None:
+    """containerd itself parses the result (`containerd --config FILE config dump`); no daemon is touched."""
+    config = tmp_path / "config.toml"
+    config.write_text(run(["containerd", "config", "default"]).stdout)
+    original = config.read_text()
+    args = ["--containerd-config", str(config), "--runtime-path", "/usr/local/bin/gpusnap-runtime", "--hook-path", "/usr/local/bin/gpusnap-hook"]
+    assert gpusnap_install("install", "containerd", *args).returncode == 0
+    second = gpusnap_install("install", "containerd", *args)
+    assert second.returncode == 0 and second.stdout.startswith("unchanged")
+    dumped = run(["containerd", "--config", str(config), "config", "dump"]).stdout
+    import tomllib
+
+    cri = tomllib.loads(dumped)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+    assert cri["runtimes"]["gpusnap"]["runtime_type"] == "io.containerd.runc.v2"
+    assert cri["runtimes"]["gpusnap"]["options"]["BinaryName"] == "/usr/local/bin/gpusnap-runtime"
+    assert "runc" in cri["runtimes"]
+    assert gpusnap_install("uninstall", "containerd", "--containerd-config", str(config)).returncode == 0
+    assert config.read_text() == original
+
+
+def test_install_podman_runtime_and_hooks_d_used_by_podman(tmp_path: Path) -> None:
+    """Real /etc/containers paths under the shared lock, named gs-dev-rt-...: podman finds the
+    runtime by name, takes our hooks.d entries for an annotated container, and the shim does not
+    add them a second time."""
+    name = unique("rt")
+    shim = make_gpu_shim(tmp_path / "shim", name)
+    args = ["--name", name, "--runtime-path", str(shim.wrapper), "--hook-path", str(BIN / "gpusnap-hook")]
+    cname = unique("podman")
+    with etc_lock():
+        try:
+            first = gpusnap_install("install", "podman", *args)
+            assert first.returncode == 0, first.stderr
+            assert gpusnap_install("install", "podman", *args).stdout.count("unchanged") == 4
+            out = run(["podman", "--runtime", name, "run", "--name", cname, "--annotation", "gpusnap.io/gpus=1",
+                       PODMAN_IMAGE, "sh", "-c", PROBE]).stdout
+            cid = run(["podman", "inspect", "--format", "{{.Id}}", cname]).stdout.strip()
+            bundle = Path(run(["podman", "inspect", "--format", "{{.StaticDir}}", cname]).stdout.strip())
+            hooks = json.loads((bundle / "config.json").read_text())["hooks"]
+        finally:
+            run(["podman", "rm", "-f", "-t", "0", cname], check=False)
+            gpusnap_install("uninstall", "podman", "--name", name)
+    view = parse_probe(out)
+    assert view.nodes == expected_nodes(shim.tree, [1])
+    for stage in ("createRuntime", "createContainer"):
+        ours = [h for h in hooks[stage] if h["path"].endswith("gpusnap-hook")]
+        assert ours == [{"path": str(BIN / "gpusnap-hook"), "args": ["gpusnap-hook", stage], "timeout": 30}]  # hooks.d's, once
+    # podman runs hooks.d poststop hooks itself, outside the spec: the spec has the shim's only.
+    assert len([h for h in hooks["poststop"] if h["path"].endswith("gpusnap-hook")]) == 1
+    assert not Path(f"/var/lib/gpusnap/gpus/{cid}.json").exists()  # its poststop cleaned up
+    assert not list(Path("/etc/containers/oci/hooks.d").glob(f"{name}-*.json"))
+    assert not Path(f"/etc/containers/containers.conf.d/50-{name}.conf").exists()
