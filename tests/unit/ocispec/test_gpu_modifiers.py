@@ -8,7 +8,7 @@ from fake_gpu_tree import UVM_MAJOR, make_amd_tree, make_nvidia_tree
 from gpusnap.config import HostPaths, Settings
 from gpusnap.criu.config import EXTRA_OPTIONS_ANNOTATION, options_from_annotations
 from gpusnap.errors import MissingDependencyError, UsageError
-from gpusnap.gpu.discovery import DeviceNode, DriverFile, discover
+from gpusnap.gpu.discovery import DeviceNode, DriverFile
 from gpusnap.gpu.selection import GpuRequest, Selection
 from gpusnap.ocispec import gpu_modifiers as gm
 from gpusnap.ocispec.modifiers import ModifyContext, apply_chain, default_chain
