@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpusnap.config import Settings
 from gpusnap.criu.config import EXTRA_OPTIONS_ANNOTATION
-from gpusnap.errors import MissingDependencyError, UsageError
+from gpusnap.errors import IncompatibleHostError, MissingDependencyError, UsageError
 from gpusnap.gpu.discovery import DeviceNode, DriverFile, Inventory, discover
 from gpusnap.gpu.selection import Selection, already_injected, cdi_device_paths, select
 
@@ -393,5 +393,12 @@ class GpuInjection:
 
     def apply(self, spec: dict[str, Any], ctx: ModifyContext | None = None) -> list[Step]:
         """SpecModifier: edit ``spec`` in place; no host-side steps are needed."""
-        self.modify(spec)
+        try:
+            self.modify(spec)
+        except UsageError as exc:
+            if ctx is not None and ctx.command == "restore":
+                # At create this is the user's request; at restore it is this host that cannot
+                # give the checkpointed container its GPUs.
+                raise IncompatibleHostError(f"cannot restore here: {exc}") from None
+            raise
         return []

@@ -234,3 +234,15 @@ def test_without_a_driver_folder_each_library_is_mounted_at_its_soname(tmp_path:
         "/usr/local/gpusnap/driver/lib/libnvidia-ptxjitcompiler.so.1": str(tree.lib_dir / "libnvidia-ptxjitcompiler.so.580.00.01"),
     }
     assert "LD_LIBRARY_PATH=/usr/local/gpusnap/driver/lib" in out["process"]["env"]
+
+
+def test_restore_on_a_host_without_the_gpus_is_incompatible(tmp_path: Path, settings: Settings, hook: Path) -> None:
+    from gpusnap.errors import IncompatibleHostError
+
+    spec = base_spec(["NVIDIA_VISIBLE_DEVICES=1"])
+    gm.GpuInjection(settings, env=ENV).apply(spec, ModifyContext("gs-dev-c", tmp_path, "create", settings))
+    bare = Settings(host=HostPaths(tmp_path / "cpu-only"), hook_path=str(hook))
+    with pytest.raises(IncompatibleHostError, match="cannot restore here: .*no NVIDIA driver"):
+        gm.GpuInjection(bare, env=ENV).apply(spec, ModifyContext("gs-dev-c", tmp_path, "restore", bare))
+    with pytest.raises(UsageError):
+        gm.GpuInjection(bare, env=ENV).apply(base_spec(["NVIDIA_VISIBLE_DEVICES=1"]), ModifyContext("gs-dev-d", tmp_path, "create", bare))
