@@ -132,6 +132,9 @@ def hook_environment(settings: Settings, env: Mapping[str, str]) -> list[str]:
         out.append(f"GPUSNAP_ROOT={settings.host.root}")
     if env.get("GPUSNAP_CONFIG"):
         out.append(f"GPUSNAP_CONFIG={env['GPUSNAP_CONFIG']}")
+    if env.get("PYTHONPATH"):
+        # gpusnap installed with pip --target: the hook must import the same gpusnap as the shim.
+        out.append(f"PYTHONPATH={env['PYTHONPATH']}")
     return out
 
 
