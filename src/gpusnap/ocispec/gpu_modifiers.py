@@ -165,10 +165,11 @@ def plan_injection(
 ) -> InjectionPlan | None:
     """What to inject into ``spec``; None when it asks for no GPUs or already has them."""
     env = os.environ if env is None else env
+    # Devices that CDI or the NVIDIA toolkit put there win, whatever the request says.
+    if already_injected(spec, cdi_device_paths(settings.host)) is not None:
+        return None
     selection = select(spec, inventory)
     if selection is None:
-        return None
-    if already_injected(spec, cdi_device_paths(settings.host)) is not None:
         return None
     plan = InjectionPlan(selection=selection)
     if selection.vendor == "nvidia":

@@ -163,6 +163,8 @@ def test_no_request_or_cdi_injected_spec_is_untouched(settings: Settings) -> Non
     cdi = base_spec(["NVIDIA_VISIBLE_DEVICES=all"])
     cdi["linux"]["devices"] = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
     assert gm.GpuInjection(settings, env=ENV).modify(copy.deepcopy(cdi)) == cdi
+    cdi["process"]["env"] = ["NVIDIA_VISIBLE_DEVICES=9"]  # the toolkit's value, meaningless to us: left alone
+    assert gm.GpuInjection(settings, env=ENV).modify(copy.deepcopy(cdi)) == cdi
 
 
 def test_bad_index_is_a_usage_error(settings: Settings) -> None:
