@@ -58,8 +58,11 @@ class FakeContainer:
             init = kids_file.read_text().split() if kids_file.exists() else []
             if init:
                 inner = Path(f"/proc/{init[0]}/task/{init[0]}/children")
-                if inner.exists() and len(inner.read_text().split()) == n_cuda + 1 and all(
-                    "sleep" in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace") for k in inner.read_text().split()
+                kids_now = inner.read_text().split() if inner.exists() else []
+                if (
+                    len(kids_now) == n_cuda + 1
+                    and all("sleep" in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace") for k in kids_now)
+                    and sum(TOKEN_ENV in _env(int(k)) for k in kids_now) == n_cuda
                 ):
                     self.inits.append(int(init[0]))
                     return int(init[0])
