@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the fake GPU tree helper (devices)
 
 from gpusnap.config import Settings
 from gpusnap.gpu.base import ContainerRef, ProcessGpuState
