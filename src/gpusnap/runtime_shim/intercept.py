@@ -95,6 +95,8 @@ def dispatch(inv: Invocation, runc: str, env: Mapping[str, str]) -> int:
     if command == "features":
         return features(inv, runc, env)
     call = RuncCall(runc=runc, inv=inv, env=env)
+    if command in ("create", "run", "restore") and not config_path(call.cwd / (inv.value("bundle") or ".")).is_file():
+        exec_runc(runc, inv.argv)  # no bundle to modify: runc says what is missing, in its words
     try:
         if command in ("create", "run"):
             return create_or_run(inv, runc, env, settings)
