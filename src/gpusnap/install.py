@@ -42,7 +42,8 @@ _END = "# <<< gpusnap runtime {name}"
 class InstallPaths:
     """Every file the installer reads or writes (injectable for tests)."""
 
-    hooks_dir: Path = Path("/etc/containers/oci/hooks.d")
+    hooks_dir: Path | None = None  # None: containers.conf's hooks_dir, else podman's default
+    system_containers_conf: Path = Path("/usr/share/containers/containers.conf")  # read only
     containers_conf: Path = Path("/etc/containers/containers.conf")  # read only: current values
     containers_conf_d: Path = Path("/etc/containers/containers.conf.d")
     daemon_json: Path = Path("/etc/docker/daemon.json")
@@ -118,6 +119,41 @@ def _read(path: Path) -> str | None:
 # ---- podman ---------------------------------------------------------------------------------
 
 
+PODMAN_DEFAULT_HOOKS_DIR = Path("/usr/share/containers/oci/hooks.d")
+
+
+def _podman_conf_value(paths: InstallPaths, key: str, exclude: Path | None = None) -> Any:
+    """``[engine] key`` as podman would see it from its config files (later files win)."""
+    import tomllib
+
+    value = None
+    sources = [paths.system_containers_conf, paths.containers_conf]
+    if paths.containers_conf_d.is_dir():
+        sources += sorted(p for p in paths.containers_conf_d.glob("*.conf") if p != exclude)
+    for src in sources:
+        text = _read(src)
+        if text is None:
+            continue
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise UsageError(f"{src}: not valid TOML ({exc}); fix it first") from None
+        found = (data.get("engine") or {}).get(key)
+        if found is not None:
+            value = found
+    return value
+
+
+def podman_hooks_dir(paths: InstallPaths) -> Path:
+    """Where podman looks for hooks: the first configured hooks_dir, else its default."""
+    if paths.hooks_dir is not None:
+        return paths.hooks_dir
+    configured = _podman_conf_value(paths, "hooks_dir")
+    if isinstance(configured, list) and configured:
+        return Path(str(configured[0]))
+    return PODMAN_DEFAULT_HOOKS_DIR
+
+
 def hooks_d_file(opts: InstallOptions, stage: str) -> tuple[Path, dict[str, Any]]:
     from gpusnap.ocispec.gpu_modifiers import validate_hooks_d
 
@@ -127,7 +163,7 @@ def hooks_d_file(opts: InstallOptions, stage: str) -> tuple[Path, dict[str, Any]
         "when": {"annotations": {r"^gpusnap\.io/gpus$": ".*"}},
         "stages": [stage],
     }
-    path = opts.paths.hooks_dir / f"{opts.name}-{stage.lower()}.json"
+    path = podman_hooks_dir(opts.paths) / f"{opts.name}-{stage.lower()}.json"
     validate_hooks_d(doc, str(path))
     return path, doc
 
@@ -144,24 +180,8 @@ def _toml_list(values: list[str]) -> str:
 def _podman_json_runtimes(paths: InstallPaths, dropin: Path) -> list[str]:
     """runtime_supports_json as podman would see it without our drop-in (a drop-in replaces the
     list, so ours must carry the existing names)."""
-    import tomllib
-
-    names = list(PODMAN_JSON_RUNTIMES)
-    sources = [paths.containers_conf]
-    if paths.containers_conf_d.is_dir():
-        sources += sorted(p for p in paths.containers_conf_d.glob("*.conf") if p != dropin)
-    for src in sources:
-        text = _read(src)
-        if text is None:
-            continue
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise UsageError(f"{src}: not valid TOML ({exc}); fix it first") from None
-        listed = (data.get("engine") or {}).get("runtime_supports_json")
-        if isinstance(listed, list):
-            names = [str(n) for n in listed]
-    return names
+    listed = _podman_conf_value(paths, "runtime_supports_json", exclude=dropin)
+    return [str(n) for n in listed] if isinstance(listed, list) else list(PODMAN_JSON_RUNTIMES)
 
 
 def plan_podman(opts: InstallOptions, remove: bool = False) -> list[FileEdit]:
@@ -181,7 +201,8 @@ def plan_podman(opts: InstallOptions, remove: bool = False) -> list[FileEdit]:
             f"[engine]\nruntime_supports_json = {_toml_list(names)}\n\n"
             f"[engine.runtimes]\n{opts.name} = {_toml_list([opts.runtime_path])}\n"
         )
-    edits.append(FileEdit(dropin, _read(dropin), new_conf, f"containers.conf runtime {opts.name!r} -> {opts.runtime_path} (in runtime_supports_json)", owned=True))
+    summary = f"containers.conf drop-in for runtime {opts.name!r}" if remove else f"containers.conf runtime {opts.name!r} -> {opts.runtime_path} (in runtime_supports_json)"
+    edits.append(FileEdit(dropin, _read(dropin), new_conf, summary, owned=True))
     return edits
 
 

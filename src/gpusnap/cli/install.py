@@ -26,7 +26,7 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Only print what would c
 Name = Annotated[str, typer.Option("--name", help="Runtime name the engine will know gpusnap by.")]
 RuntimePath = Annotated[Optional[Path], typer.Option("--runtime-path", help="gpusnap-runtime to register (default: beside gpusnap, or on PATH).")]
 HookPath = Annotated[Optional[Path], typer.Option("--hook-path", help="gpusnap-hook for podman's hooks.d (default: beside gpusnap, or on PATH).")]
-HooksDir = Annotated[Path, typer.Option("--hooks-dir", help="podman hooks.d directory.")]
+HooksDir = Annotated[Optional[Path], typer.Option("--hooks-dir", help="podman hooks.d directory (default: containers.conf's hooks_dir, else /usr/share/containers/oci/hooks.d).")]
 ConfD = Annotated[Path, typer.Option("--containers-conf-d", help="containers.conf drop-in directory.")]
 Conf = Annotated[Path, typer.Option("--containers-conf", help="containers.conf read for current runtime_supports_json.")]
 DaemonJson = Annotated[Path, typer.Option("--daemon-json", help="dockerd's daemon.json.")]
@@ -94,7 +94,7 @@ def register(app: typer.Typer) -> None:
 
         Running it again changes nothing; a changed file is backed up first.
         """
-        paths = core.InstallPaths(hooks_dir, containers_conf, containers_conf_d, daemon_json, containerd_config)
+        paths = core.InstallPaths(hooks_dir, _DEF.system_containers_conf, containers_conf, containers_conf_d, daemon_json, containerd_config)
         _run(False, engine, dry_run, name, runtime_path, hook_path, paths, reload, docker_pidfile)
 
     @app.command("uninstall")
@@ -111,7 +111,7 @@ def register(app: typer.Typer) -> None:
         docker_pidfile: PidFile = Path("/var/run/docker.pid"),
     ) -> None:
         """Remove what `gpusnap install ENGINE` added; everything else is kept."""
-        paths = core.InstallPaths(hooks_dir, containers_conf, containers_conf_d, daemon_json, containerd_config)
+        paths = core.InstallPaths(hooks_dir, _DEF.system_containers_conf, containers_conf, containers_conf_d, daemon_json, containerd_config)
         # The paths only name what to remove; nothing is looked up.
         placeholder = Path(sys.argv[0]).absolute()
         _run(True, engine, dry_run, name, placeholder, placeholder, paths, reload, docker_pidfile)

@@ -359,8 +359,14 @@ def nvidia_libraries(
     host: HostPaths,
     lib_dirs: Iterable[str] = DEFAULT_NVIDIA_LIB_DIRS,
     ld_cache: dict[str, Path] | None = None,
+    driver_version: str = "",
 ) -> list[DriverFile]:
-    """Driver libraries from the driver directories first, then from the ld cache."""
+    """Driver libraries from the driver directories first, then from the ld cache.
+
+    With ``driver_version`` known, ld-cache entries must resolve to files of that version
+    (``libnvidia-ml.so.580.159.04``): leftovers of an older driver package in /usr/lib would
+    otherwise be handed to containers beside the running driver's libcuda.
+    """
     found: dict[str, DriverFile] = {}
     for rel in lib_dirs:
         for f in libraries_in_dir(host.root / rel.lstrip("/")):
@@ -369,7 +375,7 @@ def nvidia_libraries(
     for name, path in cache.items():
         if _is_nvidia_lib(name) and _SONAME_RE.match(name) and name not in found:
             real = path.resolve()
-            if real.is_file():
+            if real.is_file() and (not driver_version or real.name.endswith("." + driver_version)):
                 found[name] = DriverFile(name=name, host_path=real, kind="lib")
     return sorted(found.values(), key=lambda f: f.name)
 
@@ -400,13 +406,14 @@ def discover_nvidia(
     if nvml is None:
         nvml = nvidia_gpus_from_nvml if host.root == Path("/") else (lambda: None)
     gpus = nvml() or nvidia_gpus_from_proc(host)
+    version = gpus[0].driver_version if gpus and gpus[0].driver_version else nvidia_driver_version(host)
     return NvidiaInventory(
         control_nodes=control,
         gpu_nodes=nvidia_gpu_nodes(host),
         gpus=gpus,
-        libraries=nvidia_libraries(host, lib_dirs, ld_cache),
+        libraries=nvidia_libraries(host, lib_dirs, ld_cache, version),
         binaries=nvidia_binaries(host, bin_dirs),
-        driver_version=(gpus[0].driver_version if gpus and gpus[0].driver_version else nvidia_driver_version(host)),
+        driver_version=version,
     )
 
 

@@ -111,3 +111,13 @@ def test_amd_nodes_grouped_per_gpu(tmp_path: Path) -> None:
     assert amd.gpus[1].gpu.name == "AMD Fake MI100"
     assert amd.gpus[1].gpu.memory_total_bytes == 2 * 2**30
     assert amd.gpus[0].gpu.uuid == "0000000000000001"
+
+
+def test_ld_cache_leftovers_of_another_driver_version_skipped(nv, tmp_path: Path) -> None:
+    other = tmp_path / "usrlib"
+    other.mkdir()
+    (other / "libnvidia-encode.so.470.1").write_text("old")
+    (other / "libnvidia-fbc.so.580.00.01").write_text("current")
+    cache = {"libnvidia-encode.so.1": other / "libnvidia-encode.so.470.1", "libnvidia-fbc.so.1": other / "libnvidia-fbc.so.580.00.01"}
+    names = {f.name for f in d.nvidia_libraries(HostPaths(nv.root), ld_cache=cache, driver_version="580.00.01")}
+    assert "libnvidia-fbc.so.1" in names and "libnvidia-encode.so.1" not in names

@@ -15,6 +15,7 @@ from gpusnap.errors import UsageError
 def paths(tmp_path: Path) -> core.InstallPaths:
     return core.InstallPaths(
         hooks_dir=tmp_path / "hooks.d",
+        system_containers_conf=tmp_path / "share-containers.conf",
         containers_conf=tmp_path / "containers.conf",
         containers_conf_d=tmp_path / "containers.conf.d",
         daemon_json=tmp_path / "daemon.json",
@@ -155,3 +156,16 @@ def test_cli_commands(paths, tmp_path) -> None:
     paths.daemon_json.write_text("[]")
     r = runner.invoke(app, ["install", "docker", *args])
     assert r.exit_code == 2 and "must hold a JSON object" in r.output
+
+
+def test_podman_hooks_dir_from_config_or_default(paths, tmp_path) -> None:
+    from dataclasses import replace
+
+    unset = replace(paths, hooks_dir=None)
+    assert core.podman_hooks_dir(unset) == core.PODMAN_DEFAULT_HOOKS_DIR
+    paths.system_containers_conf.write_text('[engine]\nhooks_dir = ["/opt/hooks-a", "/opt/hooks-b"]\n')
+    assert core.podman_hooks_dir(unset) == Path("/opt/hooks-a")
+    paths.containers_conf.write_text(f'[engine]\nhooks_dir = ["{tmp_path}/mine"]\n')
+    assert core.podman_hooks_dir(unset) == tmp_path / "mine"
+    core.install("podman", core.InstallOptions("/r", "/h", "gpusnap", unset))
+    assert len(list((tmp_path / "mine").glob("gpusnap-*.json"))) == 3
