@@ -23,10 +23,15 @@ mkdir -p "$OUT"
 ls "$WHEELS"/gpusnap-*.whl >/dev/null 2>&1 || { echo "run_gpu_suite: no gpusnap wheel in $WHEELS; build it with tests/gpu/stage.sh" >&2; exit 5; }
 nvidia-smi -L >/dev/null 2>&1 || { echo "run_gpu_suite: nvidia-smi finds no GPU here" >&2; exit 5; }
 
-# gpusnap and the few packages the machine lacks, with no dependency resolution and no index.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 5
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-export PATH=$TOOLS/bin:$SITE/bin:$PATH PYTHONUNBUFFERED=1
+# gpusnap and the few packages the machine lacks, with no dependency resolution and no index,
+# into python3's own environment: runc runs gpusnap-hook with the spec's environment only, so
+# gpusnap must import without PYTHONPATH. Where that environment is read-only: a --target dir.
+if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "$WHEELS"/*.whl; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 5
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PATH=$TOOLS/bin:$(dirname "$(command -v python3)"):$SITE/bin:$PATH PYTHONUNBUFFERED=1
+export GPUSNAP_GPU_TOOLS=$TOOLS   # the device tests (test_gpu_devices.py) find runc there
 export GS_GPU_REPORT=$OUT/suite-rows.jsonl
 rm -f "$GS_GPU_REPORT"
 {
