@@ -121,6 +121,7 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
         records = run_steps(steps)
     # Keep the GPU plan's breakdown (gpu_lock, gpu_checkpoint, criu_dump, total) beside the steps.
     meta.timings_s.update({r.name: round(r.seconds, 6) for r in records})
+    image_dir.mkdir(parents=True, exist_ok=True)  # runc made it; a --page-server dump may not
     meta.write(image_dir)
     return 0
 
