@@ -81,19 +81,19 @@ def container_rules(table: str, record: NetworkRecord) -> list[Command]:
     comment = rule_comment(record.container_id)
     rules: list[Command] = []
     if record.nat:
-        # Outbound traffic leaving through anything but its own bridge takes the host's address.
-        rules.append(
-            _rule(
-                table,
-                "postrouting",
-                comment,
-                [
-                    _match(_payload("ip", "saddr"), record.address),
-                    _match(_meta("oifname"), record.bridge, "!="),
-                    {"masquerade": None},
-                ],
-            )
+        # Outbound traffic leaving through anything but its own bridge takes the host's address,
+        # but only for connections the container starts. After a restore on another host,
+        # conntrack there picks up the restored connections mid-stream as "new"; were those
+        # masqueraded, their packets would leave with the wrong source address and the peer
+        # would drop them. So TCP is masqueraded from its SYN only; other protocols always.
+        base = [_match(_payload("ip", "saddr"), record.address), _match(_meta("oifname"), record.bridge, "!=")]
+        syn_only = _match(
+            {"&": [_payload("tcp", "flags"), ["syn", "ack"]]},
+            "syn",
         )
+        rules.append(_rule(table, "postrouting", comment, [*base, syn_only, {"masquerade": None}]))
+        not_tcp = _match(_meta("l4proto"), "tcp", "!=")
+        rules.append(_rule(table, "postrouting", comment, [*base, not_tcp, {"masquerade": None}]))
     for port in record.ports:
         if port.host_ip:
             to_host = _match(_payload("ip", "daddr"), port.host_ip)
