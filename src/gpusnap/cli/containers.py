@@ -11,7 +11,7 @@ from gpusnap.errors import NotFoundError
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(context_settings={"allow_interspersed_args": False})
+    @app.command()
     def run(
         ctx: typer.Context,
         name: Annotated[str, typer.Argument(help="Name of the new container.")],
@@ -19,13 +19,15 @@ def register(app: typer.Typer) -> None:
         rootfs: Annotated[str, typer.Option("--rootfs", help="Root filesystem directory; default: a static busybox tree.")] = BUSYBOX_ROOTFS,
         network: Annotated[str, typer.Option("--network", help="none (loopback only) or bridge.")] = "none",
         env: Annotated[Optional[list[str]], typer.Option("--env", "-E", help="KEY=VALUE, repeatable.")] = None,
+        publish: Annotated[Optional[list[str]], typer.Option("--publish", "-p", help="HOST:CONTAINER[/tcp|udp] with --network bridge, repeatable.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the container as JSON.")] = False,
     ) -> None:
         """Run a container on gpusnap's embedded engine (runc-direct), detached."""
         from gpusnap.cli.main import get_ctx
 
         c = get_ctx(ctx)
-        info = RuncDirectEngine(c.settings).run(name, list(command), rootfs=rootfs, network=network, env=env or [])
+        argv = list(command)[1:] if command and command[0] == "--" else list(command)
+        info = RuncDirectEngine(c.settings).run(name, argv, rootfs=rootfs, network=network, env=env or [], publish=publish or [])
         if as_json:
             c.out.json(info.to_dict())
         else:

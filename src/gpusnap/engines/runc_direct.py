@@ -68,6 +68,7 @@ class RuncDirectRecord:
     status: str = "created"  # created | running | checkpointed | exited (runc's state wins when it has one)
     logcopy_pid: int = 0
     network_record: dict[str, Any] | None = None
+    publish: list[str] = field(default_factory=list)  # host ports published with --network bridge
     restored_from: str = ""
 
     @classmethod
@@ -269,13 +270,24 @@ class RuncDirectEngine:
                 out.append(self._info(rec))
         return out
 
-    def run(self, name: str, command: list[str], *, rootfs: str = BUSYBOX_ROOTFS, network: str = "none", env: list[str] | None = None) -> ContainerInfo:
+    def run(
+        self,
+        name: str,
+        command: list[str],
+        *,
+        rootfs: str = BUSYBOX_ROOTFS,
+        network: str = "none",
+        env: list[str] | None = None,
+        publish: list[str] | None = None,
+    ) -> ContainerInfo:
         """Create and start a container; on any failure everything made so far is taken back."""
         validate_name(name)
         if not command:
             raise UsageError("no command given; pass the program to run after the options, e.g. `gpusnap run NAME -- sh -c '...'`")
         if network not in NETWORK_MODES:
             raise UsageError(f"unknown network {network!r}; use one of {', '.join(NETWORK_MODES)}")
+        if publish and network != "bridge":
+            raise UsageError("--publish needs --network bridge")
         if rootfs != BUSYBOX_ROOTFS:
             src = Path(rootfs).resolve()
             if not src.is_dir():
@@ -284,7 +296,9 @@ class RuncDirectEngine:
         self.require()
         if self._load(name) is not None or (self.runc_root / name).exists():
             raise UsageError(f"a runc-direct container named {name} already exists; pick another name or `gpusnap rm {name}`")
-        rec = RuncDirectRecord(name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now())
+        rec = RuncDirectRecord(
+            name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now(), publish=list(publish or [])
+        )
         self._start(rec, restore_from=None)
         info = self.get(name)
         assert info is not None
@@ -319,9 +333,10 @@ class RuncDirectEngine:
             return
         manager = _network_manager(self.settings)
         if rec.network_record:
-            rec.network_record = _record_to_dict(manager.recreate(_record_from_dict(rec.network_record)))
+            old = _record_from_dict(rec.network_record)
+            rec.network_record = _record_to_dict(manager.recreate(old, container_id=rec.name))
         else:
-            rec.network_record = _record_to_dict(manager.create(rec.name, _network_request(rec.network)))
+            rec.network_record = _record_to_dict(manager.create(rec.name, _network_request(rec.publish)))
         self._save(rec)
 
     def _network_down(self, rec: RuncDirectRecord) -> None:
@@ -448,6 +463,7 @@ class RuncDirectEngine:
             env=old.env,
             created=rfc3339_now(),
             network_record=old.network_record if old.network != "none" else None,
+            publish=old.publish,
             restored_from=old.name,
         )
         self._start(rec, restore_from=source, spec=saved["spec"], tcp_established=opts.tcp_established)
@@ -489,33 +505,25 @@ def _retarget_spec(spec: dict[str, Any], name: str, rootfs: Path, netns_path: st
 
 
 def _network_manager(settings: Settings) -> Any:
-    try:
-        from gpusnap.network import NetworkManager  # type: ignore[attr-defined]
-    except ImportError:
-        raise MissingDependencyError("bridge networking is not available in this gpusnap build; use --network none") from None
+    from gpusnap.network import NetworkManager
+
     return NetworkManager(settings)
 
 
-def _network_request(mode: str) -> Any:
-    from gpusnap import network
+def _network_request(publish: list[str]) -> Any:
+    from gpusnap.network import NetworkRequest, parse_publish_list
 
-    request_cls = getattr(network, "NetworkRequest", None)
-    return request_cls() if request_cls else {"mode": mode}
+    return NetworkRequest(ports=tuple(parse_publish_list(publish)))
 
 
 def _record_to_dict(record: Any) -> dict[str, Any]:
-    if hasattr(record, "to_dict"):
-        return record.to_dict()
-    return asdict(record)
+    return record.to_dict()
 
 
 def _record_from_dict(data: dict[str, Any]) -> Any:
-    from gpusnap import network
+    from gpusnap.network import NetworkRecord
 
-    record_cls = getattr(network, "NetworkRecord")
-    if hasattr(record_cls, "from_dict"):
-        return record_cls.from_dict(data)
-    return record_cls(**data)
+    return NetworkRecord.from_dict(data)
 
 
 def _close_quietly(fd: int) -> None:
