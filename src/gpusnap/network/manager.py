@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from pyroute2 import netns as pyroute2_netns
 
@@ -21,6 +23,7 @@ from gpusnap.network.request import NetworkConfig, NetworkRequest, PortMapping, 
 from gpusnap.steps import Step, StepFailed, run_steps
 
 CONTAINER_IFNAME = "eth0"
+T = TypeVar("T")
 
 
 class NetworkManager:
@@ -108,7 +111,7 @@ class NetworkManager:
         with self.ipam.locked() as state:
             used = {lease.bridge for lease in state.leases.values()}
             for bridge in sorted(set(state.bridges) - used):
-                self._in_host(lambda ipr, b=bridge: links.delete_link(ipr, b))
+                self._delete_host_link(bridge)
                 del state.bridges[bridge]
                 removed.append(bridge)
             # The table may hold rules of containers recorded in another state directory on the
@@ -119,7 +122,11 @@ class NetworkManager:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _in_host(self, fn):  # type: ignore[no-untyped-def]
+    def _delete_host_link(self, ifname: str) -> None:
+        self._in_host(lambda ipr: links.delete_link(ipr, ifname))
+
+    def _in_host(self, fn: Callable[[links.IPRoute], T]) -> T:
+        """Run ``fn`` with an rtnetlink socket in the namespace holding the bridge."""
         with links.rtnl(self.config.host_netns) as ipr:
             return fn(ipr)
 
@@ -174,6 +181,10 @@ class NetworkManager:
                 nat=request.nat,
             )
 
+        def add_rules() -> None:
+            self.nft.ensure_table()
+            self.nft.add_container(record())
+
         steps = [
             Step("lease address", lease, unlease),
             Step("create netns", lambda: links.create_netns(netns_name), lambda: links.remove_netns(netns_name)),
@@ -193,7 +204,7 @@ class NetworkManager:
             Step("enable forwarding", lambda: self._sysctls(request)),
             Step(
                 "add nftables rules",
-                lambda: (self.nft.ensure_table(), self.nft.add_container(record())),
+                add_rules,
                 lambda: self.nft.remove_container(container_id),
             ),
             Step("record network", lambda: self.ipam.commit(record())),
