@@ -46,14 +46,61 @@ class Out:
             self.stderr.print(f"[dim]{text}[/dim]")
 
     @contextmanager
-    def progress(self, start: str) -> Iterator[Callable[[str], None]]:
-        """A spinner with the current step on a terminal; nothing (or -v lines) otherwise."""
-        if self.stderr.is_terminal:
-            with self.stderr.status(start) as status:
-                yield lambda text: status.update(text)
-        else:
+    def progress(self, start: str) -> Iterator["Reporter"]:
+        """Live progress on a terminal (a spinner for steps, bars for transfers); -v lines otherwise."""
+        if not self.stderr.is_terminal:
             self.detail(start)
-            yield self.detail
+            yield Reporter(None, self.detail)
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
+
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      console=self.stderr, transient=True) as live:
+            yield Reporter(live, self.detail, live.add_task(start, total=None))
+
+
+class _Transfer:
+    """One byte-counting bar inside the command's live display (packaging's Progress protocol)."""
+
+    def __init__(self, live: Any, description: str) -> None:
+        self._live = live
+        self._task = live.add_task(description, total=0)
+
+    def add_total(self, n: int) -> None:
+        task = next(t for t in self._live.tasks if t.id == self._task)
+        self._live.update(self._task, total=(task.total or 0) + n)
+
+    def advance(self, n: int) -> None:
+        self._live.advance(self._task, n)
+
+    def close(self) -> None:
+        self._live.remove_task(self._task)
+
+
+class _NoTransfer:
+    def add_total(self, n: int) -> None:
+        pass
+
+    def advance(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Reporter:
+    """Called with the current step's text; ``transfer()`` gives a bar for bytes moved."""
+
+    def __init__(self, live: Any, detail: Callable[[str], None], task: Any = None) -> None:
+        self._live, self._detail, self._task = live, detail, task
+
+    def __call__(self, text: str) -> None:
+        if self._live is not None:
+            self._live.update(self._task, description=text)
+        self._detail(text)
+
+    def transfer(self, description: str) -> Any:
+        return _Transfer(self._live, description) if self._live is not None else _NoTransfer()
 
 
 def human_size(n: int | float) -> str:
