@@ -149,14 +149,22 @@ def make_spec(name: str, command: list[str], rootfs: Path, env: list[str], netns
     }
 
 
+def find_shim() -> str | None:
+    """gpusnap-runtime on PATH or beside this Python (a venv not on PATH), when it is usable."""
+    shim = shutil.which("gpusnap-runtime") or shutil.which("gpusnap-runtime", path=str(Path(sys.executable).parent))
+    if shim and importlib.util.find_spec("gpusnap.runtime_shim.main") is not None:
+        return shim
+    return None
+
+
 def runtime_command(settings: Settings) -> tuple[list[str], str]:
     """The OCI runtime runc-direct drives and its name: gpusnap-runtime when installed, else runc.
 
     The shim is what adds GPU state to checkpoints; the plain runc fallback keeps CPU
     containers working while the shim is absent (doctor says so).
     """
-    shim = shutil.which("gpusnap-runtime") or shutil.which("gpusnap-runtime", path=str(Path(sys.executable).parent))
-    if shim and importlib.util.find_spec("gpusnap.runtime_shim.main") is not None:
+    shim = find_shim()
+    if shim:
         return [shim], "gpusnap-runtime"
     runc = settings.runc or shutil.which("runc")
     if not runc:
