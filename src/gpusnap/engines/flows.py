@@ -280,7 +280,7 @@ def restore(
             require_compatible(meta, facts, what=source)
             local = path
         else:
-            if "/" not in source and ":" not in source and "@" not in source:
+            if source.startswith(("/", "./", "../", "~")) or ("/" not in source and ":" not in source and "@" not in source):
                 raise NotFoundError(f"{source} is neither a file nor a reference like host/repo:tag; check the path or reference")
             api = packaging_api()
             ref = _local_or_pull(api, settings, source, insecure, progress)
