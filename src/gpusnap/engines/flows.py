@@ -163,6 +163,7 @@ def checkpoint(
     output: Path | None = None,
     insecure: bool = False,
     progress: Progress = _quiet,
+    ref: str | None = None,
 ) -> CheckpointOutcome:
     opts = opts or CheckpointOptions()
     if push and output:
@@ -209,10 +210,10 @@ def checkpoint(
         shutil.move(str(state["cp"].path), str(output))
 
     def store() -> None:
-        ref = push or default_ref(info)
-        progress(f"storing {ref}")
-        stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=ref, metadata=state["meta"], compress=opts.compress)
-        state["ref"] = ref
+        local = ref or push or default_ref(info)
+        progress(f"storing {local}")
+        stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"], compress=opts.compress)
+        state["ref"] = local
         state["stored"] = stored
 
     def unstore() -> None:
