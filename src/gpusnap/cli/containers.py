@@ -22,6 +22,7 @@ def register(app: typer.Typer) -> None:
         network: Annotated[str, typer.Option("--network", help="none (loopback only) or bridge.")] = "none",
         env: Annotated[Optional[list[str]], typer.Option("--env", "-E", help="KEY=VALUE, repeatable.")] = None,
         publish: Annotated[Optional[list[str]], typer.Option("--publish", "-p", help="HOST:CONTAINER[/tcp|udp] with --network bridge, repeatable.")] = None,
+        ip: Annotated[Optional[str], typer.Option("--ip", help="Address on the bridge, with --network bridge; default: the next free one.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the container as JSON.")] = False,
     ) -> None:
         """Run a container on gpusnap's embedded engine (runc-direct), detached."""
@@ -29,7 +30,7 @@ def register(app: typer.Typer) -> None:
 
         c = get_ctx(ctx)
         argv = list(command)[1:] if command and command[0] == "--" else list(command)
-        info = RuncDirectEngine(c.settings).run(name, argv, rootfs=rootfs, network=network, env=env or [], publish=publish or [])
+        info = RuncDirectEngine(c.settings).run(name, argv, rootfs=rootfs, network=network, env=env or [], publish=publish or [], ip=ip)
         if as_json:
             c.out.json(info.to_dict())
         else:

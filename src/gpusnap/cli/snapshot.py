@@ -51,6 +51,7 @@ def register(app: typer.Typer) -> None:
         name: Annotated[Optional[str], typer.Option("--name", "-n", help="Name of the restored container.")] = None,
         engine: Annotated[str, ENGINE_OPT] = "auto",
         tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Restore open TCP connections.")] = False,
+        ip: Annotated[Optional[str], typer.Option("--ip", help="runc-direct bridge network: restore at this address (default: the recorded one).")] = None,
         insecure: Annotated[bool, typer.Option("--insecure", help="Allow a plain-HTTP registry.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     ) -> None:
@@ -59,7 +60,7 @@ def register(app: typer.Typer) -> None:
 
         c = get_ctx(ctx)
         with c.out.progress(f"restoring {source}") as progress:
-            outcome = flows.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress)
+            outcome = flows.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress, ip=ip)
         if as_json:
             c.out.json(outcome.to_dict())
             return

@@ -200,6 +200,10 @@ def checkpoint(
         meta.extra.setdefault("container_name", info.name)
         meta.extra.setdefault("image", info.image)
         meta.extra.setdefault("command", info.command)
+        engine_extra = getattr(eng, "checkpoint_extra", None)  # runc-direct: its network record
+        if engine_extra is not None:
+            for key, value in engine_extra(cp).items():
+                meta.extra.setdefault(key, value)
         _attach_metadata(cp, meta)
         state["meta"] = meta
 
@@ -270,6 +274,7 @@ def restore(
     tcp_established: bool = False,
     insecure: bool = False,
     progress: Progress = _quiet,
+    ip: str | None = None,
 ) -> RestoreOutcome:
     path = Path(source)
     facts = gather(settings)
@@ -298,7 +303,7 @@ def restore(
         if name and eng.get(name) is not None:
             raise UsageError(f"{eng.name} already has a container named {name}; pick another --name")
         progress(f"restoring through {eng.name}")
-        records = run_steps([Step("restore", lambda: eng.restore(local, RestoreOptions(name=name, tcp_established=tcp_established)))])
+        records = run_steps([Step("restore", lambda: eng.restore(local, RestoreOptions(name=name, tcp_established=tcp_established, ip=ip)))])
         container = records[0].result
         return RestoreOutcome(container=container, engine=eng.name, source=source, form=form,
                               timings_s={r.name: round(r.seconds, 3) for r in records})

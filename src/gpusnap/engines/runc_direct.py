@@ -69,6 +69,7 @@ class RuncDirectRecord:
     logcopy_pid: int = 0
     network_record: dict[str, Any] | None = None
     publish: list[str] = field(default_factory=list)  # host ports published with --network bridge
+    ip: str = ""  # address asked for with --ip (run, or restore at another address); "" = IPAM's pick
     restored_from: str = ""
 
     @classmethod
@@ -258,7 +259,7 @@ class RuncDirectEngine:
             created=rec.created,
             command=list(rec.command),
             bundle=str(self.container_dir(rec.name) / "bundle"),
-            labels={"network": rec.network},
+            labels={"network": rec.network, **({"ip": rec.network_record["address"]} if rec.network_record else {})},
         )
 
     def get(self, ref: str) -> ContainerInfo | None:
@@ -287,6 +288,7 @@ class RuncDirectEngine:
         network: str = "none",
         env: list[str] | None = None,
         publish: list[str] | None = None,
+        ip: str | None = None,
     ) -> ContainerInfo:
         """Create and start a container; on any failure everything made so far is taken back."""
         validate_name(name)
@@ -294,8 +296,8 @@ class RuncDirectEngine:
             raise UsageError("no command given; pass the program to run after the options, e.g. `gpusnap run NAME -- sh -c '...'`")
         if network not in NETWORK_MODES:
             raise UsageError(f"unknown network {network!r}; use one of {', '.join(NETWORK_MODES)}")
-        if publish and network != "bridge":
-            raise UsageError("--publish needs --network bridge")
+        if (publish or ip) and network != "bridge":
+            raise UsageError("--publish and --ip need --network bridge")
         if rootfs != BUSYBOX_ROOTFS:
             src = Path(rootfs).resolve()
             if not src.is_dir():
@@ -305,7 +307,8 @@ class RuncDirectEngine:
         if self._load(name) is not None or (self.runc_root / name).exists():
             raise UsageError(f"a runc-direct container named {name} already exists; pick another name or `gpusnap rm {name}`")
         rec = RuncDirectRecord(
-            name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now(), publish=list(publish or [])
+            name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now(), publish=list(publish or []),
+            ip=ip or "",
         )
         self._start(rec, restore_from=None)
         info = self.get(name)
@@ -342,9 +345,10 @@ class RuncDirectEngine:
         manager = _network_manager(self.settings)
         if rec.network_record:
             old = _record_from_dict(rec.network_record)
-            rec.network_record = _record_to_dict(manager.recreate(old, container_id=rec.name))
+            rec.network_record = _record_to_dict(manager.recreate(old, ip=rec.ip or None, container_id=rec.name))
         else:
-            rec.network_record = _record_to_dict(manager.create(rec.name, _network_request(rec.publish)))
+            request = manager.request(_parse_publish(rec.publish), ip=rec.ip or None)
+            rec.network_record = _record_to_dict(manager.create(rec.name, request))
         self._save(rec)
 
     def _network_down(self, rec: RuncDirectRecord) -> None:
@@ -449,6 +453,9 @@ class RuncDirectEngine:
             # runc deleted the container after dumping it; keep the record so `ps` shows it.
             rec.status = "checkpointed"
             self._save(rec)
+            # Its network goes too (the checkpoint carries the record): a restore, under this
+            # name or another, recreates it with the same address for --tcp-established.
+            self._network_down(rec)
         return EngineCheckpoint(form=self.form, path=dest, image_dir=dest, container=container)
 
     def restore(self, source: Path, opts: RestoreOptions) -> ContainerInfo:
@@ -472,6 +479,7 @@ class RuncDirectEngine:
             created=rfc3339_now(),
             network_record=old.network_record if old.network != "none" else None,
             publish=old.publish,
+            ip=opts.ip or "",
             restored_from=old.name,
         )
         self._start(rec, restore_from=source, spec=saved["spec"], tcp_established=opts.tcp_established)
@@ -494,6 +502,9 @@ class RuncDirectEngine:
     def is_running(self, container: ContainerInfo) -> bool:
         state = self._runtime_state(container.name)
         return bool(state and state.get("status") == "running")
+
+    def checkpoint_extra(self, cp: EngineCheckpoint) -> dict[str, Any]:
+        return _checkpoint_extra(cp)
 
     def logs(self, container: ContainerInfo) -> str:
         path = self.log_path(container.name)
@@ -518,10 +529,19 @@ def _network_manager(settings: Settings) -> Any:
     return NetworkManager(settings)
 
 
-def _network_request(publish: list[str]) -> Any:
-    from gpusnap.network import NetworkRequest, parse_publish_list
+def _parse_publish(publish: list[str]) -> Any:
+    from gpusnap.network import parse_publish_list
 
-    return NetworkRequest(ports=tuple(parse_publish_list(publish)))
+    return parse_publish_list(publish)
+
+
+def _checkpoint_extra(cp: EngineCheckpoint) -> dict[str, Any]:
+    """What runc-direct adds to the checkpoint metadata's ``extra``: the network record."""
+    record_path = cp.path / BUNDLE_RECORD
+    if not record_path.is_file():
+        return {}
+    network_record = json.loads(record_path.read_text())["record"].get("network_record")
+    return {"network": network_record} if network_record else {}
 
 
 def _record_to_dict(record: Any) -> dict[str, Any]:

@@ -15,9 +15,9 @@ from gpusnap.config import Settings
 from gpusnap.errors import GpusnapError, NotFoundError, RollbackError, UsageError
 from gpusnap.network import links
 from gpusnap.network.ipam import Ipam
-from gpusnap.network.nft import Nft
+from gpusnap.network.nft import Nft, rule_comments
 from gpusnap.network.record import NetworkRecord, RouteRecord
-from gpusnap.network.request import NetworkConfig, NetworkRequest, gateway_of, parse_ip, parse_subnet
+from gpusnap.network.request import NetworkConfig, NetworkRequest, PortMapping, gateway_of, parse_ip, parse_subnet
 from gpusnap.steps import Step, StepFailed, run_steps
 
 CONTAINER_IFNAME = "eth0"
@@ -28,7 +28,7 @@ class NetworkManager:
 
     def __init__(self, settings: Settings, config: NetworkConfig | None = None) -> None:
         self.settings = settings
-        self.config = config or NetworkConfig()
+        self.config = config or NetworkConfig.from_prefix(settings.network_prefix)
         self.ipam = Ipam(settings.state_dir)
         self.nft = Nft(self.config.table, netns=self.config.host_netns)
 
@@ -41,6 +41,12 @@ class NetworkManager:
         return links.host_veth_name(self.config.veth_prefix, container_id)
 
     # -- public API --------------------------------------------------------------------------
+
+    def request(self, ports: tuple[PortMapping, ...] = (), ip: str | None = None, nat: bool = True) -> NetworkRequest:
+        """A request on this host's configured bridge and subnet (``Settings.network_*``)."""
+        return NetworkRequest(
+            bridge=self.settings.network_bridge, subnet=self.settings.network_subnet, ip=ip, ports=tuple(ports), nat=nat
+        )
 
     def create(self, container_id: str, request: NetworkRequest) -> NetworkRecord:
         """Give ``container_id`` a netns on the bridge; all-or-nothing (undone on any failure)."""
@@ -105,7 +111,9 @@ class NetworkManager:
                 self._in_host(lambda ipr, b=bridge: links.delete_link(ipr, b))
                 del state.bridges[bridge]
                 removed.append(bridge)
-            if not state.leases:
+            # The table may hold rules of containers recorded in another state directory on the
+            # same host: drop it only when no rule at all is left in it.
+            if not state.leases and not rule_comments(self.nft.listing()):
                 self.nft.delete_table()
         return removed
 

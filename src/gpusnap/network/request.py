@@ -55,6 +55,17 @@ class NetworkConfig:
     table: str = "gpusnap"  # the one nftables table (family inet) gpusnap owns
     host_netns: str | None = None  # netns holding the bridge and rules; None = the caller's own
 
+    @classmethod
+    def from_prefix(cls, prefix: str, host_netns: str | None = None) -> "NetworkConfig":
+        """Names derived from one prefix (``Settings.network_prefix``).
+
+        nft identifiers cannot hold '-', and veth names must leave room for a hash in 15 chars.
+        """
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,15}", prefix):
+            raise UsageError(f"network prefix {prefix!r} must be 1-16 letters, digits, '_' or '-', starting with a letter")
+        flat = prefix.replace("-", "")
+        return cls(netns_prefix=f"{prefix}-", veth_prefix=f"{flat[:7]}v", table=flat, host_netns=host_netns)
+
 
 @dataclass(frozen=True)
 class NetworkRequest:

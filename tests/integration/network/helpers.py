@@ -170,11 +170,11 @@ def wait_connect(address: str, port: int, *, timeout: float = 20.0) -> socket.so
             time.sleep(0.1)
 
 
-def http_get(address: str, port: int, *, timeout: float = 20.0) -> str:
+def http_get(address: str, port: int, *, path: str = "/index.html", timeout: float = 20.0) -> str:
     sock = wait_connect(address, port, timeout=timeout)
     with sock:
         sock.settimeout(10)
-        sock.sendall(b"GET /index.html HTTP/1.0\r\nHost: x\r\n\r\n")
+        sock.sendall(f"GET {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
         data = b""
         while chunk := sock.recv(4096):
             data += chunk
