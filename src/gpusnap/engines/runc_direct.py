@@ -305,7 +305,7 @@ class RuncDirectEngine:
             rootfs = str(src)
         self.require()
         if self._load(name) is not None or (self.runc_root / name).exists():
-            raise UsageError(f"a runc-direct container named {name} already exists; pick another name or `gpusnap rm {name}`")
+            raise UsageError(f"a runc-direct container named {name} already exists; pick another name or `gpusnap delete {name}`")
         rec = RuncDirectRecord(
             name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now(), publish=list(publish or []),
             ip=ip or "",
@@ -467,7 +467,7 @@ class RuncDirectEngine:
         name = validate_name(opts.name or old.name)
         self.require()
         if self._load(name) is not None or (self.runc_root / name).exists():
-            raise UsageError(f"a runc-direct container named {name} already exists; restore with --name NEW or `gpusnap rm {name}`")
+            raise UsageError(f"a runc-direct container named {name} already exists; restore with --name NEW or `gpusnap delete {name}`")
         if old.rootfs != BUSYBOX_ROOTFS and not Path(old.rootfs).is_dir():
             raise RestoreError(f"the checkpoint's root filesystem {old.rootfs} is not on this host; copy it there first")
         rec = RuncDirectRecord(
