@@ -46,5 +46,5 @@ def _no_home_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     home.mkdir(exist_ok=True)
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("DOCKER_CONFIG", raising=False)
-    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(home / "auth.json"))
+    monkeypatch.delenv("REGISTRY_AUTH_FILE", raising=False)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)

@@ -141,7 +141,8 @@ def files_of(root: Path) -> dict[str, bytes]:
 
 
 def podman(*args: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
-    return run("podman", *args, check=check, timeout=timeout)
+    # runc: crun refuses this host's hybrid cgroup setup, and runc is what checkpoints here.
+    return run("podman", "--runtime", "runc", *args, check=check, timeout=timeout)
 
 
 def podman_count(name: str) -> int:

@@ -125,7 +125,9 @@ def test_credentials_from_docker_config_and_auth_json(tmp_path: Path, auth_regis
 
     # podman's auth.json alone is enough too.
     docker_cfg.unlink()
-    (home / "auth.json").write_text(json.dumps({"auths": {auth_registry.host: {"auth": good}}}))
+    auth_json = home / ".config" / "containers" / "auth.json"
+    auth_json.parent.mkdir(parents=True)
+    auth_json.write_text(json.dumps({"auths": {auth_registry.host: {"auth": good}}}))
     local = api.pull(tmp_path / "store2", remote, insecure=True)
     out = api.materialize_checkpoint(tmp_path / "store2", local, tmp_path / "out", form="criu-dir")
     assert files_of(out) == files_of(src)
