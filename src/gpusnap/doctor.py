@@ -87,17 +87,13 @@ def check_runc(settings: Settings) -> list[Check]:
         return [Check("runc", FAIL, f"{path} does not run", "reinstall runc")]
     first = proc.stdout.splitlines()[0] if proc.stdout else "runc"
     out = [Check("runc", OK, f"{first.strip()} at {path}")]
-    shim = shutil.which("gpusnap-runtime")
-    try:
-        import importlib.util
+    from gpusnap.engines.runc_direct import find_shim
 
-        shim_ok = shim is not None and importlib.util.find_spec("gpusnap.runtime_shim.main") is not None
-    except ImportError:
-        shim_ok = False
-    if shim_ok:
+    shim = find_shim()
+    if shim:
         out.append(Check("gpusnap-runtime", OK, f"{shim}"))
     else:
-        out.append(Check("gpusnap-runtime", WARN, "not installed: runc-direct uses plain runc (CPU state only)", "pip install gpusnap on this host and run `gpusnap install`"))
+        out.append(Check("gpusnap-runtime", WARN, "not installed: runc-direct uses plain runc (CPU state only)", "pip install gpusnap on this host"))
     return out
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+from rich.table import Column
 
+from gpusnap.cli.output import age
 from gpusnap.engines.runc_direct import BUSYBOX_ROOTFS, RuncDirectEngine
 from gpusnap.errors import NotFoundError
 
@@ -47,8 +49,16 @@ def register(app: typer.Typer) -> None:
         if as_json:
             c.out.json([i.to_dict() for i in items])
             return
-        rows = [(i.name, i.status, i.pid or "", i.image, i.labels.get("network", ""), i.created, " ".join(i.command)) for i in items]
-        c.out.table(["NAME", "STATUS", "PID", "ROOTFS", "NET", "CREATED", "COMMAND"], rows)
+        rows = [(i.name, i.status, i.pid or "", i.labels.get("network", ""), age(i.created), " ".join(i.command)) for i in items]
+        columns = [
+            Column("NAME", overflow="fold", min_width=min(40, max((len(i.name) for i in items), default=4))),
+            Column("STATUS", no_wrap=True),
+            Column("PID", no_wrap=True, justify="right"),
+            Column("NET", no_wrap=True),
+            Column("CREATED", no_wrap=True),
+            Column("COMMAND", overflow="fold"),
+        ]
+        c.out.table(columns, rows)
 
     @app.command()
     def logs(

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from gpusnap.cli.output import human_size
 from gpusnap.config import Settings
 from gpusnap.engines import flows
 from gpusnap.engines.base import CheckpointOptions, ContainerInfo
@@ -58,7 +59,7 @@ def run_demo(settings: Settings, name: str, keep: bool, say) -> dict:  # type: i
         ref = f"localhost/gpusnap/{name}:demo"
         if packaging:
             say(f"2/5 checkpointing it into the local store as {ref}")
-            outcome = flows.checkpoint(settings, name, engine="runc-direct", opts=CheckpointOptions(), push=None)
+            outcome = flows.checkpoint(settings, name, engine="runc-direct", opts=CheckpointOptions(), ref=ref)
             ref = outcome.ref
             stored = True
         else:
@@ -66,7 +67,7 @@ def run_demo(settings: Settings, name: str, keep: bool, say) -> dict:  # type: i
             say(f"2/5 checkpointing it into {out_dir}")
             outcome = flows.checkpoint(settings, name, engine="runc-direct", opts=CheckpointOptions(), output=out_dir)
         last = _numbers(engine.logs(info))[-1]
-        say(f"    stopped at {last}; checkpoint {outcome.size} bytes in {sum(outcome.timings_s.values()):.2f}s")
+        say(f"    stopped at {last}; checkpoint of {human_size(outcome.size)} taken in {sum(outcome.timings_s.values()):.2f}s")
         say(f"3/5 deleting {name}")
         engine.remove(engine.get(name) or info)
         say(f"4/5 restoring it as {restored_name}")

@@ -31,6 +31,12 @@ class Ctx:
     out: Out
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"gpusnap {__version__}")
+        raise typer.Exit(0)
+
+
 def build_app() -> typer.Typer:
     app = typer.Typer(
         name="gpusnap",
@@ -46,11 +52,8 @@ def build_app() -> typer.Typer:
         ctx: typer.Context,
         verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Print details and, on failure, the traceback.")] = False,
         config: Annotated[Optional[Path], typer.Option("--config", envvar="GPUSNAP_CONFIG", help="Config file (default /etc/gpusnap/config.toml).")] = None,
-        version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True)] = False,
+        version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, callback=_print_version)] = False,
     ) -> None:
-        if version:
-            typer.echo(f"gpusnap {__version__}")
-            raise typer.Exit(0)
         ctx.obj = Ctx(settings=load_settings(config_file=config), out=Out.make(verbose))
 
     from gpusnap.cli import containers, demo, doctor_cmd, snapshot

@@ -14,7 +14,8 @@ import shutil
 import socket
 import tarfile
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,10 @@ class RestoreOutcome:
 def packaging_api() -> Any:
     try:
         from gpusnap.packaging import api
-    except ImportError:
-        raise MissingDependencyError("checkpoint packaging is not part of this gpusnap build; use --output PATH and restore PATH") from None
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("gpusnap"):
+            raise MissingDependencyError("checkpoint packaging is not part of this gpusnap build; use --output PATH and restore PATH") from None
+        raise MissingDependencyError(f"Python module {exc.name} is missing; reinstall gpusnap (pip install gpusnap) to get its dependencies") from None
     return api
 
 
@@ -160,6 +163,7 @@ def checkpoint(
     output: Path | None = None,
     insecure: bool = False,
     progress: Progress = _quiet,
+    ref: str | None = None,
 ) -> CheckpointOutcome:
     opts = opts or CheckpointOptions()
     if push and output:
@@ -210,10 +214,10 @@ def checkpoint(
         shutil.move(str(state["cp"].path), str(output))
 
     def store() -> None:
-        ref = push or default_ref(info)
-        progress(f"storing {ref}")
-        stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=ref, metadata=state["meta"], compress=opts.compress)
-        state["ref"] = ref
+        local = ref or push or default_ref(info)
+        progress(f"storing {local}")
+        stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"], compress=opts.compress)
+        state["ref"] = local
         state["stored"] = stored
 
     def unstore() -> None:
@@ -223,7 +227,8 @@ def checkpoint(
 
     def do_push() -> None:
         progress(f"pushing {push}")
-        state["pushed"] = api.push(settings.store_dir, state["ref"], push, insecure=insecure)
+        with _transfer(progress, f"push {push}") as bar:
+            state["pushed"] = api.push(settings.store_dir, state["ref"], push, insecure=insecure, progress=bar)
 
     steps = [Step("checkpoint", dump, bring_back), Step("write metadata", describe)]
     if output is not None:
@@ -281,7 +286,7 @@ def restore(
             require_compatible(meta, facts, what=source)
             local = path
         else:
-            if "/" not in source and ":" not in source and "@" not in source:
+            if source.startswith(("/", "./", "../", "~")) or ("/" not in source and ":" not in source and "@" not in source):
                 raise NotFoundError(f"{source} is neither a file nor a reference like host/repo:tag; check the path or reference")
             api = packaging_api()
             ref = _local_or_pull(api, settings, source, insecure, progress)
@@ -314,8 +319,21 @@ def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progr
     except NotFoundError:
         pass
     progress(f"pulling {ref}")
-    pulled = api.pull(settings.store_dir, ref, insecure=insecure)
+    with _transfer(progress, f"pull {ref}") as bar:
+        pulled = api.pull(settings.store_dir, ref, insecure=insecure, progress=bar)
     return str(pulled or ref)
+
+
+@contextmanager
+def _transfer(progress: Progress, description: str) -> Iterator[Any]:
+    """A byte progress bar from the caller's reporter when it offers one (the CLI on a TTY)."""
+    factory = getattr(progress, "transfer", None)
+    bar = factory(description) if factory is not None else None
+    try:
+        yield bar
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _artifact_form(info: Any) -> str:

@@ -150,14 +150,22 @@ def make_spec(name: str, command: list[str], rootfs: Path, env: list[str], netns
     }
 
 
+def find_shim() -> str | None:
+    """gpusnap-runtime on PATH or beside this Python (a venv not on PATH), when it is usable."""
+    shim = shutil.which("gpusnap-runtime") or shutil.which("gpusnap-runtime", path=str(Path(sys.executable).parent))
+    if shim and importlib.util.find_spec("gpusnap.runtime_shim.main") is not None:
+        return shim
+    return None
+
+
 def runtime_command(settings: Settings) -> tuple[list[str], str]:
     """The OCI runtime runc-direct drives and its name: gpusnap-runtime when installed, else runc.
 
     The shim is what adds GPU state to checkpoints; the plain runc fallback keeps CPU
     containers working while the shim is absent (doctor says so).
     """
-    shim = shutil.which("gpusnap-runtime") or shutil.which("gpusnap-runtime", path=str(Path(sys.executable).parent))
-    if shim and importlib.util.find_spec("gpusnap.runtime_shim.main") is not None:
+    shim = find_shim()
+    if shim:
         return [shim], "gpusnap-runtime"
     runc = settings.runc or shutil.which("runc")
     if not runc:
@@ -297,7 +305,7 @@ class RuncDirectEngine:
             rootfs = str(src)
         self.require()
         if self._load(name) is not None or (self.runc_root / name).exists():
-            raise UsageError(f"a runc-direct container named {name} already exists; pick another name or `gpusnap rm {name}`")
+            raise UsageError(f"a runc-direct container named {name} already exists; pick another name or `gpusnap delete {name}`")
         rec = RuncDirectRecord(
             name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now(), publish=list(publish or []),
             ip=ip or "",
@@ -459,7 +467,7 @@ class RuncDirectEngine:
         name = validate_name(opts.name or old.name)
         self.require()
         if self._load(name) is not None or (self.runc_root / name).exists():
-            raise UsageError(f"a runc-direct container named {name} already exists; restore with --name NEW or `gpusnap rm {name}`")
+            raise UsageError(f"a runc-direct container named {name} already exists; restore with --name NEW or `gpusnap delete {name}`")
         if old.rootfs != BUSYBOX_ROOTFS and not Path(old.rootfs).is_dir():
             raise RestoreError(f"the checkpoint's root filesystem {old.rootfs} is not on this host; copy it there first")
         rec = RuncDirectRecord(
