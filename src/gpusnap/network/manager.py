@@ -56,7 +56,8 @@ class NetworkManager:
         return self._create(container_id, request, mac=links.random_mac())
 
     def recreate(self, record: NetworkRecord, ip: str | None = None, container_id: str | None = None) -> NetworkRecord:
-        """Rebuild a checkpointed container's network before ``runc restore``.
+        """Rebuild a checkpointed container's network before ``runc restore``; held down until
+        :meth:`activate`, which the caller runs once the restore has finished.
 
         Same address and MAC by default (established TCP connections need the address; the MAC
         keeps peers' ARP caches valid); ``ip`` picks another address in the same subnet, which
@@ -68,7 +69,20 @@ class NetworkManager:
         request = NetworkRequest(
             bridge=record.bridge, subnet=record.subnet, ip=address, ports=record.ports, nat=record.nat, mtu=record.mtu
         )
-        return self._create(container_id or record.container_id, request, mac=record.mac)
+        return self._create(container_id or record.container_id, request, mac=record.mac, up=False)
+
+    def activate(self, container_id: str) -> None:
+        """Connect a recreated network once ``runc restore`` has put the sockets back.
+
+        ``recreate`` leaves the host end of the veth down. While the address exists but the
+        restored sockets do not yet, a peer's retransmission would reach the namespace and be
+        answered with a RST, killing the very connection being restored. Down, it is simply lost
+        and retransmitted later, to the restored socket.
+        """
+        record = self.get(container_id)
+        if record is None:
+            raise NotFoundError(f"container {container_id} has no gpusnap network; create or recreate it first")
+        self._in_host(lambda ipr: links.set_link_up(ipr, record.host_veth))
 
     def get(self, container_id: str) -> NetworkRecord | None:
         lease = self.ipam.get(container_id)
@@ -130,7 +144,7 @@ class NetworkManager:
         with links.rtnl(self.config.host_netns) as ipr:
             return fn(ipr)
 
-    def _create(self, container_id: str, request: NetworkRequest, mac: str) -> NetworkRecord:
+    def _create(self, container_id: str, request: NetworkRequest, mac: str, up: bool = True) -> NetworkRecord:
         subnet = ipaddress.IPv4Network(request.subnet)
         gateway = str(gateway_of(subnet))
         netns_name = self.netns_name(container_id)
@@ -191,7 +205,9 @@ class NetworkManager:
             Step(
                 "create veth",
                 lambda: self._in_host(
-                    lambda ipr: links.create_veth(ipr, host_veth, CONTAINER_IFNAME, netns_name, request.bridge, request.mtu)
+                    lambda ipr: links.create_veth(
+                        ipr, host_veth, CONTAINER_IFNAME, netns_name, request.bridge, request.mtu, up=up
+                    )
                 ),
                 lambda: self._in_host(lambda ipr: links.delete_link(ipr, host_veth)),
             ),
