@@ -208,7 +208,7 @@ def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descr
         process_tree=config.get("processTree", []),
         gpus=config.get("gpus", []) or gpusnap_meta.get("gpus", []),
         gpu_processes=config.get("processes", []) or gpusnap_meta.get("processes", []),
-        timings=config.get("timings", {}) or gpusnap_meta.get("timings_s", {}),
+        timings={t["step"]: float(t["seconds"]) for t in config.get("timings", [])} or dict(gpusnap_meta.get("timings_s", {})),
         parent=config.get("parent"),
         annotations=annotations,
     )

@@ -60,7 +60,8 @@ class Registry:
             "version: 0.1\n"
             "log:\n  level: warn\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.root / 'data'}\n  delete:\n    enabled: true\n"
-            f"http:\n  addr: 127.0.0.1:{self.port}\n"
+            # A fixed secret keeps upload-session tokens valid across a restart (resume tests).
+            f"http:\n  addr: 127.0.0.1:{self.port}\n  secret: gs-pkg-upload-secret\n"
             + auth
         )
         self.log = self.root / "registry.log"
