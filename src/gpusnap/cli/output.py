@@ -48,7 +48,8 @@ class Out:
         self.stdout.print(table)
 
     def info(self, text: str) -> None:
-        self.stdout.print(text)
+        # Not wrapped: references and paths must stay whole for copy and paste.
+        self.stdout.print(text, soft_wrap=True)
 
     def detail(self, text: str) -> None:
         if self.verbose:
