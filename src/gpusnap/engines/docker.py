@@ -26,7 +26,7 @@ from gpusnap.engines.base import (
     EngineCheckpoint,
     RestoreOptions,
 )
-from gpusnap.errors import CheckpointError, MissingDependencyError, NotFoundError, RestoreError
+from gpusnap.errors import CheckpointError, MissingDependencyError, NotFoundError, RestoreError, UsageError
 
 NAME = "docker"
 CONTAINER_RECORD = "docker-container.json"
@@ -123,6 +123,10 @@ class DockerEngine:
     def checkpoint(self, container: ContainerInfo, dest: Path, opts: CheckpointOptions) -> EngineCheckpoint:
         import docker
 
+        if opts.tcp_established:
+            # The Engine API's checkpoint call has no such option; failing beats silently
+            # dropping the connections at restore.
+            raise UsageError("docker's checkpoint API cannot keep established TCP connections; drop --tcp-established or use podman or runc-direct")
         client = self._client()
         api = client.api
         attrs = api.inspect_container(container.id)
