@@ -30,8 +30,12 @@ def _mknod(path: Path, major: int, minor: int, mode: int = 0o666) -> None:
 
 
 def make_nvidia_tree(root: Path, gpus: int = 2, driver_version: str = "580.00.01", *, uvm_node_major: int | None = None,
-                     lib_dir: str = "usr/local/nvidia/lib64") -> FakeGpuTree:
-    """An NVIDIA host: nodes, /proc/devices, /proc/driver/nvidia, driver libraries and nvidia-smi."""
+                     lib_dir: str = "usr/local/nvidia/lib64", uvm_major: int = UVM_MAJOR) -> FakeGpuTree:
+    """An NVIDIA host: nodes, /proc/devices, /proc/driver/nvidia, driver libraries and nvidia-smi.
+
+    ``uvm_major`` is what /proc/devices says (dynamic on real hosts); ``uvm_node_major`` makes
+    the UVM nodes disagree with it (a stale node)."""
+    UVM_MAJOR = uvm_major  # noqa: N806 - the module default, overridden for this tree
     tree = FakeGpuTree(root, driver_version)
     _mknod(root / "dev/nvidiactl", 195, 255)
     _mknod(root / "dev/nvidia-modeset", 195, 254)

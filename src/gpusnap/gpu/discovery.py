@@ -87,6 +87,9 @@ class NvidiaInventory:
     libraries: list[DriverFile] = field(default_factory=list)
     binaries: list[DriverFile] = field(default_factory=list)
     driver_version: str = ""
+    # A folder holding the driver's libraries and nothing else (e.g. /usr/local/nvidia/lib64):
+    # containers get it whole, as one mount, instead of one mount per library.
+    lib_dir: Path | None = None
 
     @property
     def present(self) -> bool:
@@ -391,6 +394,16 @@ def nvidia_binaries(host: HostPaths, bin_dirs: Iterable[str] = DEFAULT_NVIDIA_BI
     return sorted(found.values(), key=lambda f: f.name)
 
 
+def dedicated_lib_dir(host: HostPaths, lib_dirs: Iterable[str] = DEFAULT_NVIDIA_LIB_DIRS) -> Path | None:
+    """The first driver folder that holds libcuda.so.1: one mount of it gives containers every
+    driver library, versioned-only ones included, under one path that no driver version names."""
+    for rel in lib_dirs:
+        d = host.root / rel.lstrip("/")
+        if (d / "libcuda.so.1").exists():
+            return d.resolve()
+    return None
+
+
 def discover_nvidia(
     host: HostPaths,
     *,
@@ -414,6 +427,7 @@ def discover_nvidia(
         libraries=nvidia_libraries(host, lib_dirs, ld_cache, version),
         binaries=nvidia_binaries(host, bin_dirs),
         driver_version=version,
+        lib_dir=dedicated_lib_dir(host, lib_dirs),
     )
 
 

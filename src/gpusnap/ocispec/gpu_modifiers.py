@@ -6,12 +6,14 @@ injected, applies the small units below in order. Each unit is a plain function 
 ``(spec, ...)`` that edits the spec in place and is idempotent (applying it twice gives the same
 spec), so a spec passing through create twice, or a restore reusing it, never doubles entries.
 
-Driver libraries are bind-mounted one by one at *stable* paths named by soname
-(``/usr/local/gpusnap/driver/lib/libcuda.so.1``) rather than at the host's versioned paths, and
-``LD_LIBRARY_PATH`` points there: what a process maps is then the same path on every host, so a
-checkpoint taken under one driver version restores under another where the soname resolves to
-that host's library (the failure of NVIDIA/cuda-checkpoint#21 is versioned paths baked into the
-images).
+Driver libraries appear under one *stable* folder, ``/usr/local/gpusnap/driver/lib``, and
+``LD_LIBRARY_PATH`` points there. CRIU restores a container only when every mount it dumped has a
+place to go, and programs load ``libcuda.so.1``, not ``libcuda.so.580.159.04``; so no mount may
+be named by a driver version (the failure of NVIDIA/cuda-checkpoint#21 is versioned paths baked
+into the images). Where the driver has a folder of its own (``/usr/local/nvidia/lib64``) that
+folder is mounted whole at the stable path: one mount, the same on every host, whatever version
+is inside. Otherwise each library is mounted at its soname; libraries that have no soname link
+keep their versioned name, which ties a checkpoint to that driver version (docs/devices.md).
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpusnap.config import Settings
 from gpusnap.criu.config import EXTRA_OPTIONS_ANNOTATION
-from gpusnap.errors import MissingDependencyError, UsageError
+from gpusnap.errors import IncompatibleHostError, MissingDependencyError, UsageError
 from gpusnap.gpu.discovery import DeviceNode, DriverFile, Inventory, discover
 from gpusnap.gpu.selection import Selection, already_injected, cdi_device_paths, select
 
@@ -55,13 +57,17 @@ KFD_CHECK_VARS = (
 )
 CRIU_PLUGIN_DIRS = ("usr/lib/criu", "usr/local/lib/criu", "usr/lib64/criu")
 
+if TYPE_CHECKING:
+    from gpusnap.ocispec.modifiers import ModifyContext
+    from gpusnap.steps import Step
+
 SCHEMA_DIR = Path(__file__).with_name("schema")
 
 
 # ---- validation of the files this area reads or writes ------------------------------------
 
 
-@lru_cache(maxsize=None)
+@cache
 def _schema(name: str) -> dict[str, Any]:
     return json.loads((SCHEMA_DIR / name).read_text())
 
@@ -95,6 +101,7 @@ class InjectionPlan:
     nodes: list[DeviceNode] = field(default_factory=list)
     libraries: list[DriverFile] = field(default_factory=list)
     binaries: list[DriverFile] = field(default_factory=list)
+    lib_dir: Path | None = None  # mounted whole at STABLE_LIB_DIR instead of ``libraries``
     hook_path: str | None = None
     hook_env: list[str] = field(default_factory=list)
     criu_libdir: str | None = None
@@ -125,6 +132,9 @@ def hook_environment(settings: Settings, env: Mapping[str, str]) -> list[str]:
         out.append(f"GPUSNAP_ROOT={settings.host.root}")
     if env.get("GPUSNAP_CONFIG"):
         out.append(f"GPUSNAP_CONFIG={env['GPUSNAP_CONFIG']}")
+    if env.get("PYTHONPATH"):
+        # gpusnap installed with pip --target: the hook must import the same gpusnap as the shim.
+        out.append(f"PYTHONPATH={env['PYTHONPATH']}")
     return out
 
 
@@ -155,10 +165,11 @@ def plan_injection(
 ) -> InjectionPlan | None:
     """What to inject into ``spec``; None when it asks for no GPUs or already has them."""
     env = os.environ if env is None else env
+    # Devices that CDI or the NVIDIA toolkit put there win, whatever the request says.
+    if already_injected(spec, cdi_device_paths(settings.host)) is not None:
+        return None
     selection = select(spec, inventory)
     if selection is None:
-        return None
-    if already_injected(spec, cdi_device_paths(settings.host)) is not None:
         return None
     plan = InjectionPlan(selection=selection)
     if selection.vendor == "nvidia":
@@ -173,6 +184,7 @@ def plan_injection(
                 )
             plan.nodes.append(node)
         plan.libraries = list(nv.libraries)
+        plan.lib_dir = nv.lib_dir
         plan.binaries = list(nv.binaries)
     else:
         amd = inventory.amd
@@ -209,10 +221,16 @@ def add_device_nodes(spec: dict[str, Any], nodes: list[DeviceNode]) -> None:
             rules.append(rule)
 
 
-def add_driver_mounts(spec: dict[str, Any], libraries: list[DriverFile], binaries: list[DriverFile]) -> None:
-    """Read-only bind mounts of each driver file at its stable, soname-named path."""
+def add_driver_mounts(spec: dict[str, Any], libraries: list[DriverFile], binaries: list[DriverFile], lib_dir: Path | None = None) -> None:
+    """Read-only bind mounts at stable paths: the driver's library folder whole (``lib_dir``),
+    else each library at its soname; each tool at its name."""
     mounts = spec.setdefault("mounts", [])
     have = {m.get("destination") for m in mounts}
+    if lib_dir is not None:
+        if STABLE_LIB_DIR not in have:
+            mounts.append({"destination": STABLE_LIB_DIR, "type": "bind", "source": str(lib_dir), "options": ["bind", "ro", "nosuid", "nodev"]})
+            have.add(STABLE_LIB_DIR)
+        libraries = []
     for f in [*libraries, *binaries]:
         dest = f"{STABLE_LIB_DIR if f.kind == 'lib' else STABLE_BIN_DIR}/{f.name}"
         if dest in have:
@@ -237,7 +255,7 @@ def add_gpu_env(spec: dict[str, Any], plan: InjectionPlan) -> None:
     env_list: list[str] = process.setdefault("env", [])
     env = dict(e.partition("=")[::2] for e in env_list)
     updates: dict[str, str] = {}
-    if plan.libraries:
+    if plan.libraries or plan.lib_dir is not None:
         updates["LD_LIBRARY_PATH"] = _prepend_path(env.get("LD_LIBRARY_PATH"), STABLE_LIB_DIR)
     if plan.binaries:
         updates["PATH"] = _append_path(env.get("PATH") or DEFAULT_PATH, STABLE_BIN_DIR)
@@ -304,7 +322,7 @@ def criu_settings_from_annotations(annotations: Mapping[str, str]) -> tuple[str 
 
 def apply_plan(spec: dict[str, Any], plan: InjectionPlan) -> dict[str, Any]:
     add_device_nodes(spec, plan.nodes)
-    add_driver_mounts(spec, plan.libraries, plan.binaries)
+    add_driver_mounts(spec, plan.libraries, plan.binaries, plan.lib_dir)
     add_gpu_env(spec, plan)
     if plan.hook_path:
         add_hooks(spec, plan.hook_path, plan.hook_env)
@@ -377,7 +395,14 @@ class GpuInjection:
         plan = plan_injection(spec, self.settings, self._discover(self.settings), env=self._env, shim_path=self._shim_path)
         return spec if plan is None else apply_plan(spec, plan)
 
-    def apply(self, spec: dict[str, Any], ctx: Any = None) -> list[Any]:
+    def apply(self, spec: dict[str, Any], ctx: ModifyContext | None = None) -> list[Step]:
         """SpecModifier: edit ``spec`` in place; no host-side steps are needed."""
-        self.modify(spec)
+        try:
+            self.modify(spec)
+        except UsageError as exc:
+            if ctx is not None and ctx.command == "restore":
+                # At create this is the user's request; at restore it is this host that cannot
+                # give the checkpointed container its GPUs.
+                raise IncompatibleHostError(f"cannot restore here: {exc}") from None
+            raise
         return []

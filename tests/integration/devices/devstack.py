@@ -95,13 +95,14 @@ def expected_nodes(tree: FakeGpuTree, gpus: list[int] | None) -> dict[str, tuple
 
 
 def expected_libs(tree: FakeGpuTree) -> dict[str, str]:
+    """Every file of the driver's library folder, by its name in the container, with its content
+    (the folder is mounted whole at the stable path)."""
     assert tree.lib_dir is not None
-    return {
-        f"{STABLE}lib/libcuda.so.1": f"fake libcuda.so {tree.driver_version}",
-        f"{STABLE}lib/libnvidia-ml.so.1": f"fake libnvidia-ml.so {tree.driver_version}",
-        f"{STABLE}lib/libnvidia-ptxjitcompiler.so.1": f"fake libnvidia-ptxjitcompiler.so {tree.driver_version}",
-        f"{STABLE}lib/libnvidia-glcore.so.{tree.driver_version}": "fake glcore",
-    }
+    return {f"{STABLE}lib/{p.name}": p.resolve().read_text().strip() for p in sorted(tree.lib_dir.iterdir())}
+
+
+def expected_mounts() -> set[str]:
+    return {f"{STABLE}lib", f"{STABLE}bin/nvidia-smi"}
 
 
 @dataclass
@@ -125,10 +126,11 @@ class GpuShim:
         return {p.stem: json.loads(p.read_text()) for p in d.glob("*.json")} if d.is_dir() else {}
 
 
-def make_gpu_shim(base: Path, name: str | None = None) -> GpuShim:
+def make_gpu_shim(base: Path, name: str | None = None, host: str = "host", **tree_kwargs: object) -> GpuShim:
+    """``tree_kwargs`` go to make_nvidia_tree (driver_version, uvm_major, ...)."""
     base.mkdir(parents=True, exist_ok=True)
-    tree = make_nvidia_tree(base / "host")
-    shim = GpuShim(base / (name or unique("runtime")), base / "run", base / "state", tree)
+    tree = make_nvidia_tree(base / host, **tree_kwargs)  # type: ignore[arg-type]
+    shim = GpuShim(base / (name or unique(f"runtime-{host}")), base / "run", base / "state", tree)
     exports = " ".join(f"{k}={v}" for k, v in shim.settings_env().items())
     shim.wrapper.write_text(f"#!/bin/sh\nexport PATH={HOST_PATH}\nexport {exports}\nexec {SHIM} \"$@\"\n")
     shim.wrapper.chmod(0o755)

@@ -18,6 +18,7 @@ from devstack import (
     STABLE,
     GpuShim,
     expected_libs,
+    expected_mounts,
     expected_nodes,
     make_bundle,
     make_gpu_shim,
@@ -25,6 +26,10 @@ from devstack import (
     run,
     unique,
 )
+
+from gpusnap.config import load_settings
+from gpusnap.gpu.devnodes import retarget_step
+from gpusnap.ocispec.gpu_modifiers import GpuInjection
 
 pytestmark = [
     pytest.mark.integration,
@@ -50,8 +55,7 @@ def assert_sees_injection(view, shim: GpuShim, gpus: list[int] | None) -> None:
     assert view.nodes == expected_nodes(tree, gpus)
     libs = expected_libs(tree)
     assert view.libs == libs
-    want_mounts = set(libs) | {f"{STABLE}bin/nvidia-smi"}
-    assert set(view.mounts) == want_mounts
+    assert set(view.mounts) == expected_mounts()
     assert all(opts.split(",")[0] == "ro" for opts in view.mounts.values()), view.mounts
     assert view.env["LD_LIBRARY_PATH"].split(":")[0] == f"{STABLE}lib"
     assert view.env["PATH"].endswith(f":{STABLE}bin")
@@ -143,6 +147,49 @@ def test_runc_checkpoint_restore_keeps_devices(tmp_path: Path, gpu_shim: GpuShim
                 with contextlib.suppress(OSError):
                     os.close(fd)
     assert gpu_shim.records() == {}
+
+
+def test_restore_on_a_host_with_another_driver_and_uvm_major(tmp_path: Path) -> None:
+    """Checkpoint under driver 580 (UVM major 237), restore under driver 590 (UVM major 240): the
+    restored container finds the new host's libraries behind the same stable path, and, once
+    gpusnap.gpu.devnodes.retarget_step has run on the images, the new host's device numbers.
+
+    The shim's restore flow does not splice that step in yet (docs/devices.md), so this test runs
+    it itself, on the real CRIU images, with the spec the shim's chain gives at restore."""
+    old = make_gpu_shim(tmp_path / "shim", "gs-dev-rt-old", host="host-old")
+    new = make_gpu_shim(tmp_path / "shim", "gs-dev-rt-new", host="host-new", driver_version="590.10.02", uvm_major=240)
+    b = make_bundle(tmp_path, ["sh", "-c", "while true; do sleep 0.2; done"], ["NVIDIA_VISIBLE_DEVICES=all"])
+    cid = unique("move")
+    images = tmp_path / "images"
+    fds = [os.pipe() for _ in range(2)]
+    os.set_blocking(fds[1][0], False)
+
+    def detached(shim: GpuShim, cmd: list[str]) -> None:
+        proc = subprocess.run([str(shim.wrapper), *cmd], env=shim.env(), stdin=fds[0][0], stdout=fds[1][1], stderr=fds[1][1], timeout=120, check=False)
+        if proc.returncode != 0:
+            with contextlib.suppress(BlockingIOError):
+                raise AssertionError(f"{cmd} exited {proc.returncode}: {os.read(fds[1][0], 65536).decode()}")
+            raise AssertionError(f"{cmd} exited {proc.returncode}")
+
+    try:
+        detached(old, ["--root", str(b.root), "run", "-d", "--bundle", str(b.path), cid])
+        assert_sees_injection(parse_probe(run([RUNC, "--root", str(b.root), "exec", cid, "sh", "-c", PROBE]).stdout), old, None)
+        run([str(old.wrapper), "--root", str(b.root), "checkpoint", "--image-path", str(images), cid], env=old.env())
+        refreshed = GpuInjection(load_settings(new.settings_env())).modify(b.config())
+        changes = retarget_step(images, refreshed).do()
+        assert sorted(c.path for c in changes) == ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+        detached(new, ["--root", str(b.root), "restore", "-d", "--image-path", str(images), "--bundle", str(b.path), cid])
+        after = parse_probe(run([RUNC, "--root", str(b.root), "exec", cid, "sh", "-c", PROBE]).stdout)
+        assert after.nodes == expected_nodes(new.tree, None)
+        assert after.nodes["/dev/nvidia-uvm"][0] == 240
+        assert after.libs == expected_libs(new.tree)
+        assert after.libs[f"{STABLE}lib/libcuda.so.1"] == "fake libcuda.so 590.10.02"
+    finally:
+        run([RUNC, "--root", str(b.root), "delete", "-f", cid], check=False)
+        for r, w in fds:
+            for fd in (r, w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 # ---- podman --------------------------------------------------------------------------------

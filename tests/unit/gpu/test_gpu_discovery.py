@@ -94,6 +94,7 @@ def test_full_inventory(nv) -> None:
     assert inv.nvidia.present and not inv.amd.present
     assert sorted(inv.nvidia.gpu_nodes) == [0, 1]
     assert inv.nvidia.driver_version == "580.00.01"
+    assert inv.nvidia.lib_dir == nv.lib_dir.resolve()
 
 
 def test_no_driver_means_empty_inventory(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from fake_gpu_tree import UVM_MAJOR, make_amd_tree, make_nvidia_tree
 from gpusnap.config import HostPaths, Settings
 from gpusnap.criu.config import EXTRA_OPTIONS_ANNOTATION, options_from_annotations
 from gpusnap.errors import MissingDependencyError, UsageError
-from gpusnap.gpu.discovery import DeviceNode, DriverFile
+from gpusnap.gpu.discovery import DeviceNode, DriverFile, discover
 from gpusnap.gpu.selection import GpuRequest, Selection
 from gpusnap.ocispec import gpu_modifiers as gm
 from gpusnap.ocispec.modifiers import ModifyContext, apply_chain, default_chain
@@ -105,8 +105,9 @@ def test_hook_path_beside_shim_or_missing(tmp_path: Path, hook: Path) -> None:
 
 def test_hook_environment_carries_settings(tmp_path: Path) -> None:
     s = Settings(host=HostPaths(tmp_path), run_dir=Path("/r"), state_dir=Path("/s"))
-    env = gm.hook_environment(s, {"GPUSNAP_CONFIG": "/c.toml"})
-    assert {"GPUSNAP_RUN_DIR=/r", "GPUSNAP_STATE_DIR=/s", f"GPUSNAP_ROOT={tmp_path}", "GPUSNAP_CONFIG=/c.toml"} <= set(env)
+    env = gm.hook_environment(s, {"GPUSNAP_CONFIG": "/c.toml", "PYTHONPATH": "/site", "OTHER": "x"})
+    assert {"GPUSNAP_RUN_DIR=/r", "GPUSNAP_STATE_DIR=/s", f"GPUSNAP_ROOT={tmp_path}", "GPUSNAP_CONFIG=/c.toml", "PYTHONPATH=/site"} <= set(env)
+    assert not any(e.startswith("OTHER=") for e in env)
 
 
 def test_amd_criu_config_libdir_and_kfd_env(tmp_path: Path) -> None:
@@ -132,14 +133,11 @@ def test_whole_injection_nvidia_all(settings: Settings) -> None:
                      "/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2", "/dev/nvidia0", "/dev/nvidia1"]
     uvm = out["linux"]["devices"][1]
     assert (uvm["major"], uvm["minor"]) == (UVM_MAJOR, 0)
-    dests = sorted(m["destination"] for m in out["mounts"] if m["destination"].startswith("/usr/local/gpusnap"))
-    assert dests == [
-        "/usr/local/gpusnap/driver/bin/nvidia-smi",
-        "/usr/local/gpusnap/driver/lib/libcuda.so.1",
-        "/usr/local/gpusnap/driver/lib/libnvidia-glcore.so.580.00.01",
-        "/usr/local/gpusnap/driver/lib/libnvidia-ml.so.1",
-        "/usr/local/gpusnap/driver/lib/libnvidia-ptxjitcompiler.so.1",
-    ]
+    driver = {m["destination"]: m for m in out["mounts"] if m["destination"].startswith("/usr/local/gpusnap")}
+    # The driver's own folder, whole, at the stable path: no mount is named by a driver version.
+    assert sorted(driver) == ["/usr/local/gpusnap/driver/bin/nvidia-smi", "/usr/local/gpusnap/driver/lib"]
+    assert driver["/usr/local/gpusnap/driver/lib"]["source"] == str(settings.host.root / "usr/local/nvidia/lib64")
+    assert "ro" in driver["/usr/local/gpusnap/driver/lib"]["options"]
     assert out["annotations"][gm.ANN_VENDOR] == "nvidia"
     assert len(out["annotations"][gm.ANN_ASSIGNED].split(",")) == 2
     assert set(out["hooks"]) == {"createRuntime", "createContainer", "poststop"}
@@ -165,6 +163,8 @@ def test_no_request_or_cdi_injected_spec_is_untouched(settings: Settings) -> Non
     cdi = base_spec(["NVIDIA_VISIBLE_DEVICES=all"])
     cdi["linux"]["devices"] = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
     assert gm.GpuInjection(settings, env=ENV).modify(copy.deepcopy(cdi)) == cdi
+    cdi["process"]["env"] = ["NVIDIA_VISIBLE_DEVICES=9"]  # the toolkit's value, meaningless to us: left alone
+    assert gm.GpuInjection(settings, env=ENV).modify(copy.deepcopy(cdi)) == cdi
 
 
 def test_bad_index_is_a_usage_error(settings: Settings) -> None:
@@ -178,8 +178,9 @@ def test_restore_on_other_driver_and_uvm_major_refreshes_sources(tmp_path: Path,
     make_nvidia_tree(other, driver_version="590.10.02", uvm_node_major=UVM_MAJOR)
     s2 = Settings(host=HostPaths(other), run_dir=settings.run_dir, state_dir=settings.state_dir, hook_path=str(hook))
     again = gm.GpuInjection(s2, env=ENV).modify(copy.deepcopy(out))
-    cuda = [m for m in again["mounts"] if m["destination"] == "/usr/local/gpusnap/driver/lib/libcuda.so.1"]
-    assert len(cuda) == 1 and cuda[0]["source"] == str(other / "usr/local/nvidia/lib64/libcuda.so.590.10.02")
+    libdir = [m for m in again["mounts"] if m["destination"] == "/usr/local/gpusnap/driver/lib"]
+    assert len(libdir) == 1 and libdir[0]["source"] == str(other / "usr/local/nvidia/lib64")
+    assert sorted(m["destination"] for m in again["mounts"]) == sorted(m["destination"] for m in out["mounts"])
     assert len([d for d in again["linux"]["devices"] if d["path"] == "/dev/nvidiactl"]) == 1
     rules = again["linux"]["resources"]["devices"]
     assert len(rules) == len({json.dumps(r, sort_keys=True) for r in rules})
@@ -212,3 +213,39 @@ def test_in_the_shims_default_chain(settings: Settings, tmp_path: Path) -> None:
 def test_hooks_d_schema_rejects_bad_stage() -> None:
     with pytest.raises(UsageError, match="stages/0"):
         gm.validate_hooks_d({"version": "1.0.0", "hook": {"path": "/x"}, "when": {"always": True}, "stages": ["prestop"]}, "f.json")
+
+
+def test_without_a_driver_folder_each_library_is_mounted_at_its_soname(tmp_path: Path, hook: Path) -> None:
+    """Libraries found through the ld cache in a shared system folder: one mount per library."""
+    root = tmp_path / "host"
+    tree = make_nvidia_tree(root, lib_dir="usr/lib/x86_64-linux-gnu")
+    cache = {p.name: p for p in tree.lib_dir.iterdir() if p.is_symlink() and p.name.endswith(".so.1")}
+    s = Settings(host=HostPaths(root), hook_path=str(hook))
+    inv = lambda st: discover(st.host, nvml=lambda: None)  # noqa: E731
+    from gpusnap.gpu import discovery as d
+
+    def with_cache(st: Settings):
+        full = inv(st)
+        full.nvidia.libraries = d.nvidia_libraries(st.host, ld_cache=cache, driver_version="580.00.01")
+        return full
+
+    out = gm.GpuInjection(s, env=ENV, discover_fn=with_cache).modify(base_spec(["NVIDIA_VISIBLE_DEVICES=0"]))
+    libs = {m["destination"]: m["source"] for m in out["mounts"] if "/driver/lib" in m["destination"]}
+    assert libs == {
+        "/usr/local/gpusnap/driver/lib/libcuda.so.1": str(tree.lib_dir / "libcuda.so.580.00.01"),
+        "/usr/local/gpusnap/driver/lib/libnvidia-ml.so.1": str(tree.lib_dir / "libnvidia-ml.so.580.00.01"),
+        "/usr/local/gpusnap/driver/lib/libnvidia-ptxjitcompiler.so.1": str(tree.lib_dir / "libnvidia-ptxjitcompiler.so.580.00.01"),
+    }
+    assert "LD_LIBRARY_PATH=/usr/local/gpusnap/driver/lib" in out["process"]["env"]
+
+
+def test_restore_on_a_host_without_the_gpus_is_incompatible(tmp_path: Path, settings: Settings, hook: Path) -> None:
+    from gpusnap.errors import IncompatibleHostError
+
+    spec = base_spec(["NVIDIA_VISIBLE_DEVICES=1"])
+    gm.GpuInjection(settings, env=ENV).apply(spec, ModifyContext("gs-dev-c", tmp_path, "create", settings))
+    bare = Settings(host=HostPaths(tmp_path / "cpu-only"), hook_path=str(hook))
+    with pytest.raises(IncompatibleHostError, match="cannot restore here: .*no NVIDIA driver"):
+        gm.GpuInjection(bare, env=ENV).apply(spec, ModifyContext("gs-dev-c", tmp_path, "restore", bare))
+    with pytest.raises(UsageError):
+        gm.GpuInjection(bare, env=ENV).apply(base_spec(["NVIDIA_VISIBLE_DEVICES=1"]), ModifyContext("gs-dev-d", tmp_path, "create", bare))
