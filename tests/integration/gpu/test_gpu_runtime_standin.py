@@ -110,7 +110,7 @@ def test_criu_failure_disk_full_keeps_container_running(stack, backend, ref, con
     with small_tmpfs(tmp_path / "full", "256k") as img:
         run = c.checkpoint(img)
     assert run.rc != 0
-    assert "rolled back" in run.stderr or "runc checkpoint" in run.stderr, run.stderr
+    assert "rolled back" in run.stderr, run.stderr
     assert c.state()["status"] == "running"
     assert states(c, backend) == [R, R]
     log = (backend.state_dir / "calls.log").read_text().split("\n")

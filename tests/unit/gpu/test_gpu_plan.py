@@ -9,11 +9,10 @@ import os
 import shutil
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from gpusnap.errors import CheckpointError, ExitCode, IncompatibleHostError, RestoreError, UnsupportedError
+from gpusnap.errors import CheckpointError, ExitCode, IncompatibleHostError, RestoreError
 from gpusnap.gpu.base import ProcessGpuState
 from gpusnap.gpu.plan import CudaPlan, make_gpu_plan
 from gpusnap.metadata import CheckpointMetadata
