@@ -72,7 +72,7 @@ class RemoteRef:
             registry, path = first, rest
         else:
             registry, path = "docker.io", text if "/" in text else f"library/{text}"
-        m = _REF_RE.match(path)
+        m = _REF_RE.fullmatch(path)
         if not m:
             raise UsageError(f"invalid registry reference {text!r}; use HOST[:PORT]/REPOSITORY[:TAG|@sha256:DIGEST]")
         tag = m.group("tag")

@@ -69,14 +69,14 @@ class Descriptor:
 
 
 def validate_digest(digest: str) -> str:
-    if not _DIGEST_RE.match(digest):
+    if not _DIGEST_RE.fullmatch(digest):
         raise IntegrityError(f"unsupported or malformed digest {digest!r}; only sha256:<64 hex> is accepted")
     return digest
 
 
 def normalize_ref(ref: str) -> str:
     """``name`` → ``name:latest``; keeps ``name:tag`` and ``name@sha256:...``."""
-    if not ref or not _REF_RE.match(ref) or ".." in ref:
+    if not ref or not _REF_RE.fullmatch(ref) or ".." in ref:
         raise UsageError(f"invalid reference {ref!r}: use NAME[:TAG], letters, digits, '.', '_', '-', '/' only")
     if "@" in ref:
         return ref
@@ -101,6 +101,9 @@ class BlobWriter:
         self._done = False
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._done:
+            # An aborted layer's tar/zstd writers may still flush when garbage-collected.
+            return len(data)
         self._hash.update(data)
         self._file.write(data)
         self.size += len(data)
