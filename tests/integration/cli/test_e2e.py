@@ -106,7 +106,7 @@ def test_push_remove_everywhere_restore_from_registry(case: EngineCase, registry
     ref = f"{registry}/{case.name}:v1"
     _checkpoint_and_restore(
         case,
-        ["--push", ref, "--insecure"],
+        ["--push", ref, "--insecure", "--compress"],
         ref,
         wipe=lambda: shutil.rmtree(case.gs.store, ignore_errors=True),
         restore_args=("--insecure",),
