@@ -129,7 +129,7 @@ def store_checkpoint(
             store.discard_pending()
             raise
         store.tag(ref, Descriptor(MEDIA_OCI_MANIFEST, built.manifest_digest, built.manifest_size, artifact_type=fmt.ARTIFACT_TYPE))
-    total = built.manifest_size + sum(d.size for d in built.layers) + len(json.dumps(built.config))
+    total = built.manifest_size + built.config_size + sum(d.size for d in built.layers)
     return StoredCheckpoint(ref, built.manifest_digest, total, built.new_bytes, len(built.layers))
 
 
