@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import requests
@@ -52,6 +52,7 @@ MANIFEST_ACCEPT = ", ".join([MEDIA_OCI_MANIFEST, MEDIA_OCI_INDEX, MEDIA_DOCKER_M
 MONOLITHIC_LIMIT = 32 << 20  # blobs up to this size go in one streamed PUT
 PATCH_SIZE = 64 << 20  # larger blobs go in PATCH requests of this size (resume granularity)
 READ_SIZE = 1 << 20
+SEND_SIZE = 4 << 20  # request bodies are read from disk in pieces of this size (8 workers: 32 MiB)
 MAX_MANIFEST = 16 << 20
 WORKERS = 8
 
@@ -343,7 +344,7 @@ class RegistryClient:
             sent = [0]
             try:
                 r = self.request("PATCH", url, scope=scope, retry=False, ok=(202,),
-                                 body=lambda: _file_iter(path, start, n, progress, sent),
+                                 body=lambda s=start, k=n, t=sent: _file_iter(path, s, k, progress, t),
                                  headers={"Content-Type": "application/octet-stream",
                                           "Content-Range": f"{start}-{start + n - 1}"})
                 r.close()
@@ -447,7 +448,7 @@ class _FileBody:
             f.seek(self._offset)
             left = self._length
             while left:
-                data = f.read(min(READ_SIZE, left))
+                data = f.read(min(SEND_SIZE, left))
                 if not data:
                     raise IntegrityError(f"{self._path} is shorter than expected; the store is corrupt")
                 left -= len(data)
@@ -642,13 +643,8 @@ def pull_artifact(
     own_progress = progress is None
     prog = progress or default_progress(f"pull {source}")
     prog.add_total(sum(b.size for b in blobs.values()))
-    added: list[str] = []
-    added_lock = threading.Lock()
-
     def one(bd: Descriptor) -> None:
-        if client.download_blob(repo, bd, store, prog):
-            with added_lock:
-                added.append(bd.digest)
+        client.download_blob(repo, bd, store, prog)
 
     local_ref = str(RemoteRef(source.registry, source.repository, source.tag, None if source.tag else source.digest))
     with store.writing():
@@ -657,12 +653,9 @@ def pull_artifact(
             store.put_bytes(data, digest)
             store.tag(local_ref, Descriptor(media or MEDIA_OCI_MANIFEST, digest, len(data), artifact_type=manifest.get("artifactType")))
         except BaseException:
-            # Nothing half-done: blobs this pull added (each whole and verified) go again, so a
-            # failed pull leaves the store as it was.
-            referenced = store.referenced()
-            for dg in added:
-                if dg not in referenced:
-                    store.blob_path(dg).unlink(missing_ok=True)
+            # Nothing half-done: what this pull downloaded is still pending in ingest/ (only
+            # a tag publishes blobs), so dropping it leaves the store exactly as it was.
+            store.discard_pending()
             raise
         finally:
             if own_progress:

@@ -47,7 +47,21 @@ def test_identical_content_is_stored_once(tmp_path: Path) -> None:
     s = OciStore(tmp_path)
     d1 = s.put_bytes(b"same bytes")
     d2 = s.put_bytes(b"same bytes")
+    s.publish()
     assert d1 == d2 and len(list(s.blobs_dir.iterdir())) == 1
+    assert s.put_bytes(b"same bytes") == d1 and list(s.ingest_dir.iterdir()) == []
+
+
+def test_blobs_become_visible_only_when_published(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    d = s.put_bytes(b"pending")
+    assert s.has_blob(d)  # this operation sees it (dedup) ...
+    assert not OciStore(tmp_path).has_blob(d)  # ... nobody else does yet
+    s.discard_pending()
+    assert not s.has_blob(d) and list(s.ingest_dir.iterdir()) == []
+    d = s.put_bytes(b"published")
+    s.publish()
+    assert OciStore(tmp_path).has_blob(d)
 
 
 def test_tag_resolve_untag(tmp_path: Path) -> None:
