@@ -29,8 +29,9 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     ) -> None:
         """Checkpoint a container through its engine, store it locally, push it if asked."""
-        from gpusnap.cli.main import get_ctx
+        from gpusnap.cli.main import get_ctx, require_root
 
+        require_root("gpusnap checkpoint")
         c = get_ctx(ctx)
         opts = CheckpointOptions(leave_running=leave_running, tcp_established=tcp_established, compress=compress)
         with c.out.progress(f"checkpointing {container}") as progress:
@@ -56,8 +57,9 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     ) -> None:
         """Pull if needed, check this host can take it, and restore through the engine."""
-        from gpusnap.cli.main import get_ctx
+        from gpusnap.cli.main import get_ctx, require_root
 
+        require_root("gpusnap restore")
         c = get_ctx(ctx)
         with c.out.progress(f"restoring {source}") as progress:
             outcome = flows.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress, ip=ip)

@@ -202,6 +202,7 @@ class BuildResult:
     manifest_digest: str
     manifest_size: int
     config: dict[str, Any]
+    config_size: int
     layers: list[Descriptor]
     new_bytes: int  # bytes of blobs that were not in the store before
 
@@ -311,7 +312,7 @@ def build_artifact(
     }
     manifest_bytes = json.dumps(manifest, separators=(",", ":")).encode()
     digest = store.put_bytes(manifest_bytes)
-    return BuildResult(digest, len(manifest_bytes), config, layers, new_bytes)
+    return BuildResult(digest, len(manifest_bytes), config, len(config_bytes), layers, new_bytes)
 
 
 def criu_count(sink: _LayerSink) -> int:
@@ -375,7 +376,8 @@ def make_config(
         "gpus": meta.get("gpus", []),
         "processes": meta.get("processes", []),
         "processTree": procs,
-        "timings": meta.get("timings_s", {}),
+        # A list, not an object: the config is written with sorted keys and step order matters.
+        "timings": [{"step": k, "seconds": v} for k, v in (meta.get("timings_s") or {}).items()],
         "sizes": sizes,
         "parent": parent,
         "compression": "zstd" if compress else None,

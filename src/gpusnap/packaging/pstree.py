@@ -64,6 +64,8 @@ def decode_message(buf: bytes) -> dict[int, list[Any]]:
         num, wire = key >> 3, key & 7
         if wire == 0:
             val, pos = _varint(buf, pos)
+        elif wire in (1, 5) and pos + (8 if wire == 1 else 4) > len(buf):
+            raise ImageFormatError("truncated fixed-size field")
         elif wire == 1:
             val = struct.unpack_from("<Q", buf, pos)[0]
             pos += 8
@@ -103,6 +105,8 @@ def read_entries(data: bytes, magic: int) -> list[bytes]:
         raise ImageFormatError(f"unexpected image magic {m0:#x}/{m1:#x}")
     pos, out = 8, []
     while pos < len(data):
+        if pos + 4 > len(data):
+            raise ImageFormatError("truncated entry header")
         (ln,) = struct.unpack_from("<I", data, pos)
         pos += 4
         if pos + ln > len(data):
@@ -116,8 +120,8 @@ def parse_pstree(data: bytes) -> list[ProcessEntry]:
     procs = []
     for raw in read_entries(data, PSTREE_MAGIC):
         f = decode_message(raw)
-        first = lambda n: int(f.get(n, [0])[0])  # noqa: E731
-        procs.append(ProcessEntry(first(1), first(2), first(3), first(4), _packed_or_plain(f.get(5, []))))
+        pid, ppid, pgid, sid = (int(f.get(n, [0])[0]) for n in (1, 2, 3, 4))
+        procs.append(ProcessEntry(pid, ppid, pgid, sid, _packed_or_plain(f.get(5, []))))
     return procs
 
 

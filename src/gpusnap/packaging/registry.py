@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import requests
@@ -52,6 +52,7 @@ MANIFEST_ACCEPT = ", ".join([MEDIA_OCI_MANIFEST, MEDIA_OCI_INDEX, MEDIA_DOCKER_M
 MONOLITHIC_LIMIT = 32 << 20  # blobs up to this size go in one streamed PUT
 PATCH_SIZE = 64 << 20  # larger blobs go in PATCH requests of this size (resume granularity)
 READ_SIZE = 1 << 20
+SEND_SIZE = 4 << 20  # request bodies are read from disk in pieces of this size (8 workers: 32 MiB)
 MAX_MANIFEST = 16 << 20
 WORKERS = 8
 
@@ -72,7 +73,7 @@ class RemoteRef:
             registry, path = first, rest
         else:
             registry, path = "docker.io", text if "/" in text else f"library/{text}"
-        m = _REF_RE.match(path)
+        m = _REF_RE.fullmatch(path)
         if not m:
             raise UsageError(f"invalid registry reference {text!r}; use HOST[:PORT]/REPOSITORY[:TAG|@sha256:DIGEST]")
         tag = m.group("tag")
@@ -112,20 +113,27 @@ class RegistryClient:
         retries: int = 6,
         backoff_s: float = 0.5,
         timeout_s: float = 60.0,
+        monolithic_limit: int = MONOLITHIC_LIMIT,
+        patch_size: int = PATCH_SIZE,
+        workers: int = WORKERS,
     ) -> None:
         self.registry = registry
+        self.monolithic_limit = monolithic_limit
+        self.patch_size = patch_size
+        self.workers = workers
         self.base = f"{'http' if insecure else 'https'}://{registry}"
         self.creds = credentials if credentials is not None else find_credentials(registry, auth_sources)
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
         self.session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=WORKERS * 2)
+        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=workers * 2)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         self.session.headers["User-Agent"] = "gpusnap"
         self._lock = threading.Lock()
         self._auth: dict[str, str] = {}  # scope → Authorization header value
+        self.recoveries: list[tuple[str, int, int]] = []  # (blob, offset at failure, offset resumed from)
         self._challenge: tuple[str, dict[str, str]] | None = None
 
     # ---- auth ---------------------------------------------------------------------------------
@@ -280,7 +288,7 @@ class RegistryClient:
     def upload_blob(self, repo: str, desc: Descriptor, path: Path, progress: Progress, upload_url: str | None = None) -> None:
         scope = f"repository:{repo}:pull,push"
         url = upload_url or self.start_upload(repo)
-        if desc.size <= MONOLITHIC_LIMIT:
+        if desc.size <= self.monolithic_limit:
             sent = [0]
 
             def body() -> _FileBody:
@@ -316,17 +324,27 @@ class RegistryClient:
         m = re.match(r"^(?:bytes=)?0-(\d+)$", rng)
         return int(m.group(1)) + 1 if m else 0
 
+    def _upload_offset_retrying(self, url: str, scope: str) -> int | None:
+        for attempt in range(self.retries):
+            try:
+                return self._upload_offset(url, scope)
+            except RegistryError:
+                if attempt + 1 >= self.retries:
+                    raise
+                time.sleep(self.backoff_s * (2 ** attempt))
+        return None
+
     def _chunked_upload(self, repo: str, desc: Descriptor, path: Path, progress: Progress, url: str) -> None:
         scope = f"repository:{repo}:pull,push"
         offset = 0
         failures = 0
         while offset < desc.size:
-            n = min(PATCH_SIZE, desc.size - offset)
+            n = min(self.patch_size, desc.size - offset)
             start = offset
             sent = [0]
             try:
                 r = self.request("PATCH", url, scope=scope, retry=False, ok=(202,),
-                                 body=lambda: _file_iter(path, start, n, progress, sent),
+                                 body=lambda s=start, k=n, t=sent: _file_iter(path, s, k, progress, t),
                                  headers={"Content-Type": "application/octet-stream",
                                           "Content-Range": f"{start}-{start + n - 1}"})
                 r.close()
@@ -339,13 +357,14 @@ class RegistryClient:
                 if failures >= self.retries:
                     raise
                 time.sleep(self.backoff_s * (2 ** (failures - 1)))
-                # Ask the registry how much it kept and go on from there (the resume).
-                try:
-                    held = self._upload_offset(url, scope)
-                except RegistryError:
-                    continue
+                # Never PATCH again blindly: a half-received PATCH may have left bytes the
+                # session's state does not account for. Ask the registry what it holds (the
+                # resume); if it no longer knows the session, start this blob again.
+                held = self._upload_offset_retrying(url, scope)
                 if held is None:
                     url, held = self.start_upload(repo), 0
+                with self._lock:
+                    self.recoveries.append((desc.digest, offset, held))
                 progress.advance(held - offset)
                 offset = held
         r = self.request("PUT", _with_query(url, digest=desc.digest), scope=scope, ok=(201,), headers={"Content-Length": "0"})
@@ -429,7 +448,7 @@ class _FileBody:
             f.seek(self._offset)
             left = self._length
             while left:
-                data = f.read(min(READ_SIZE, left))
+                data = f.read(min(SEND_SIZE, left))
                 if not data:
                     raise IntegrityError(f"{self._path} is shorter than expected; the store is corrupt")
                 left -= len(data)
@@ -562,7 +581,7 @@ def push_artifact(
             stats["uploaded"] += bd.size
 
     try:
-        _parallel(one, list(blobs.values()))
+        _parallel(one, list(blobs.values()), client.workers)
         r = client.put_manifest(repo, target.tag or "latest", manifest_bytes, manifest.get("mediaType", MEDIA_OCI_MANIFEST))
         got = r.headers.get("Docker-Content-Digest")
         if got and got != desc.digest:
@@ -581,11 +600,11 @@ def push_artifact(
                       time.monotonic() - started)
 
 
-def _parallel(fn: Callable[[Descriptor], Any], items: list[Descriptor]) -> list[Any]:
+def _parallel(fn: Callable[[Descriptor], Any], items: list[Descriptor], workers: int) -> list[Any]:
     """Run ``fn`` over ``items`` on worker threads, biggest first; the first error cancels the rest."""
     items = sorted(items, key=lambda d: -d.size)
     results = []
-    with ThreadPoolExecutor(max_workers=min(WORKERS, max(1, len(items)))) as pool:
+    with ThreadPoolExecutor(max_workers=min(workers, max(1, len(items)))) as pool:
         futures = [pool.submit(fn, d) for d in items]
         try:
             for f in futures:
@@ -624,27 +643,19 @@ def pull_artifact(
     own_progress = progress is None
     prog = progress or default_progress(f"pull {source}")
     prog.add_total(sum(b.size for b in blobs.values()))
-    added: list[str] = []
-    added_lock = threading.Lock()
-
     def one(bd: Descriptor) -> None:
-        if client.download_blob(repo, bd, store, prog):
-            with added_lock:
-                added.append(bd.digest)
+        client.download_blob(repo, bd, store, prog)
 
     local_ref = str(RemoteRef(source.registry, source.repository, source.tag, None if source.tag else source.digest))
     with store.writing():
         try:
-            _parallel(one, list(blobs.values()))
+            _parallel(one, list(blobs.values()), client.workers)
             store.put_bytes(data, digest)
             store.tag(local_ref, Descriptor(media or MEDIA_OCI_MANIFEST, digest, len(data), artifact_type=manifest.get("artifactType")))
         except BaseException:
-            # Nothing half-done: blobs this pull added (each whole and verified) go again, so a
-            # failed pull leaves the store as it was.
-            referenced = store.referenced()
-            for dg in added:
-                if dg not in referenced:
-                    store.blob_path(dg).unlink(missing_ok=True)
+            # Nothing half-done: what this pull downloaded is still pending in ingest/ (only
+            # a tag publishes blobs), so dropping it leaves the store exactly as it was.
+            store.discard_pending()
             raise
         finally:
             if own_progress:

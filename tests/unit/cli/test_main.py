@@ -79,3 +79,27 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.strip() == f"gpusnap {__version__}"
+
+
+def test_shell_completion_completes_commands() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "gpusnap")
+    env = {**os.environ, "COMP_WORDS": "gpusnap che", "COMP_CWORD": "1", "_GPUSNAP_COMPLETE": "complete_bash"}
+    proc = subprocess.run([exe], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["checkpoint"]
+    script = subprocess.run([exe, "--show-completion", "bash"], capture_output=True, text=True, timeout=60).stdout
+    assert "_gpusnap_completion" in script
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["run", "x", "--", "sh"], ["checkpoint", "x"], ["restore", "localhost/x:y"]])
+def test_commands_that_need_root_say_so(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:
+    import os
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    code, _, err = run(capsys, *argv)
+    assert code == ExitCode.USAGE
+    assert err.strip() == f"gpusnap: error: gpusnap {argv[0]} needs root (CRIU and runc do); run it with sudo"
