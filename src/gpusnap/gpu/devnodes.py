@@ -88,10 +88,13 @@ def _plan(members: list[tarfile.TarInfo], wanted: dict[str, _Node], image: Path)
                 changes.append(Retargeted(image, "/dev/" + name, (m.devmajor, m.devminor), new))
         elif _PER_GPU_NODE.fullmatch(name):
             changes.append(Retargeted(image, "/dev/" + name, (m.devmajor, m.devminor), None))
+    # CRIU writes one such image per tmpfs mount (/dev, /dev/shm, ...): nodes are added only to
+    # the one that holds GPU nodes already, /dev's.
+    is_dev = any(n in wanted or _PER_GPU_NODE.fullmatch(n) for n in have)
     for name, node in sorted(wanted.items()):
         # Only per-GPU nodes are added: the rest (control, UVM) every NVIDIA container has had
         # since it was created, and a node the checkpoint never had is no GPU it was on.
-        if name not in have and _PER_GPU_NODE.fullmatch(name):
+        if is_dev and name not in have and _PER_GPU_NODE.fullmatch(name):
             changes.append(Retargeted(image, "/dev/" + name, None, (node.major, node.minor)))
     return changes
 

@@ -131,3 +131,15 @@ def test_spec_without_gpu_nodes_leaves_the_image_alone(tmp_path: Path) -> None:
     before = img.read_bytes()
     assert retarget_dev_images(tmp_path, [{"path": "/dev/fuse", "type": "c", "major": 10, "minor": 229}]) == ([], {})
     assert img.read_bytes() == before
+
+
+def test_nodes_are_added_only_to_the_dev_image(tmp_path: Path) -> None:
+    """CRIU writes a tmpfs-dev-N image for every tmpfs (/dev/shm too): only /dev's gets nodes."""
+    dev, shm = tmp_path / "tmpfs-dev-46.tar.gz.img", tmp_path / "tmpfs-dev-47.tar.gz.img"
+    dev_image(dev, {"nvidiactl": (195, 255), "nvidia0": (195, 0)})
+    dev_image(shm, {}, extra_file=b"shared memory")
+    before = shm.read_bytes()
+    retarget_dev_images(tmp_path, [{"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+                                   {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1}])
+    assert read_nodes(dev) == {"./nvidiactl": (195, 255), "./nvidia1": (195, 1)}
+    assert shm.read_bytes() == before
