@@ -40,6 +40,14 @@ def gpu_memory_of(pids: list[int]) -> int:
     return sum(gpu_memory_by_gpu(pids).values())
 
 
+def criu_log_tail(path: Path, lines: int = 15) -> str:
+    """The end of CRIU's log (runc writes it into the image directory), for a failure message."""
+    try:
+        return "\nCRIU log " + str(path) + ":\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 two_gpus = pytest.mark.skipif(len(host_gpus()) < 2, reason="needs a machine with at least 2 GPUs")
 
 
@@ -74,7 +82,7 @@ def checkpoint_delete_restore(
     if between is not None:
         between()
     rst = c.restore(images)
-    assert rst.rc == 0, rst.stderr
+    assert rst.rc == 0, rst.stderr + criu_log_tail(images / "restore.log")
     assert states(c, backend) == [ProcessGpuState.RUNNING] * nprocs
     assert gpu_memory_of(c.worker_pids()) >= nprocs * c.gpus * c.gb * GIB * 0.99
     restored = json.loads((images / "gpusnap-restore.json").read_text())
