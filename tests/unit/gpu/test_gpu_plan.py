@@ -311,3 +311,23 @@ def test_restore_given_too_few_gpus_is_refused_before_anything_changes(plan, fak
         restore_given(make_gpu_plan(plan.settings), fake, list(fake.tokens), tmp_path / "img", "")
     assert isinstance(info.value.cause, IncompatibleHostError) and "given no GPUs" in str(info.value)
     assert len(fake.calls()) == n_calls and len(fake.inits) == 1
+
+
+GPU_C = "GPU-0000cccc-0000-0000-0000-00000000000c"
+
+
+def test_each_process_gets_the_pairs_of_its_own_gpus(plan, fake, standin, tmp_path):
+    """One process on GPU A, one on GPU B; restored given C and B: A's process moves with the pair
+    A->C, B's is restored plainly (the stand-in, like the driver, refuses a pair list that misses
+    the process's GPU: the moved pairs alone would fail B's)."""
+    (standin.state_dir / "gpus.json").write_text(json.dumps([{"uuid": GPU_A}, {"uuid": GPU_B}, {"uuid": GPU_C}]))
+    tokens = ["gs-gpu-on-a", "gs-gpu-on-b"]
+    (standin.state_dir / "procs" / "gs-gpu-on-b.json").write_text(json.dumps({"state": "running", "gpu": GPU_B}))
+    init = fake.start_container(n_cuda=2, tokens=tokens, GPUSNAP_STANDIN_GPU=GPU_A)
+    meta, _ = checkpoint(plan, fake, init, tmp_path / "img", leave_running=False)
+    assert sorted(p.gpu_uuids[0] for p in meta.processes) == sorted([GPU_A, GPU_B])
+    new_init, meta = restore_given(make_gpu_plan(plan.settings), fake, tokens, tmp_path / "img", f"{GPU_C},{GPU_B}")
+    assert meta.extra["restore_gpu_remap"] == {GPU_A: GPU_C, GPU_B: GPU_B}
+    cuda = [p for p in fake.pids_in(new_init) if fake.is_cuda(p)]
+    assert sorted(list(standin.process_memory(p)) for p in cuda) == sorted([[GPU_C], [GPU_B]])
+    assert fake.ns_states(new_init) == [R, R] and not fake.illegal_calls()
