@@ -179,6 +179,7 @@ def restore(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: Gp
         except (OSError, ValueError):
             return  # runc restore reports a missing or broken bundle in its own words
         ref.annotations = {str(k): str(v) for k, v in (restored_spec.get("annotations") or {}).items()}
+
     detached = call.inv.flag("detach")
     runner = _Foreground(call, args, env) if not detached else None
 
