@@ -26,6 +26,7 @@ WORKER = Path(__file__).with_name("gpu_worker.py")
 NVIDIA_DIR = Path("/usr/local/nvidia")
 # The nodes a CUDA process opens (seen on the lent H200): control, UVM, and one per GPU.
 NVIDIA_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+MULTI_GPU_GB = 4  # GiB on each GPU in the GPU suite's two-GPU container
 
 
 def unique(kind: str) -> str:
@@ -119,12 +120,18 @@ class Run:
 
 
 class Container:
-    """One runc container of ``nprocs`` worker processes of ``gb`` GiB each."""
+    """One runc container of ``nprocs`` worker processes of ``gb`` GiB each (on each of ``gpus``
+    GPUs). With ``inject`` the GPUs come from gpusnap-runtime's injection, selected by
+    NVIDIA_VISIBLE_DEVICES=``visible``; otherwise the bundle lists every GPU node itself."""
 
-    def __init__(self, stack: Stack, *, nprocs: int = 1, gb: float = 1, via_shim: bool = True, inject: bool = False, sleep: float = 0.01, mode: str | None = None) -> None:
+    def __init__(
+        self, stack: Stack, *, nprocs: int = 1, gb: float = 1, via_shim: bool = True, inject: bool = False, sleep: float = 0.01,
+        mode: str | None = None, gpus: int = 1, visible: str = "all",
+    ) -> None:
         self.stack = stack
         self.id = unique("ctr")
         self.nprocs, self.gb, self.via_shim, self.inject, self.sleep = nprocs, gb, via_shim, inject, sleep
+        self.gpus, self.visible = gpus, visible
         self.mode = mode or stack.mode
         self.dir = stack.base / self.id
         self.bundle = self.dir / "bundle"
@@ -151,6 +158,8 @@ class Container:
             f"SLEEP={self.sleep}",
             "PYTHONUNBUFFERED=1",
         ]
+        if self.gpus != 1:
+            env.append(f"WORKER_GPUS={self.gpus}")
         launch = " ".join(
             f"env {'GPUSNAP_STANDIN_CUDA=' + t + ' GPUSNAP_STANDIN_GPU_MB=' + str(int(self.gb * 1024)) if self.stack.mode == 'cpu' else ''} "
             f"{sys.executable} /data/gpu_worker.py /data/out{i} &"
@@ -163,7 +172,7 @@ class Container:
         spec["mounts"].append({"destination": "/data", "source": str(self.data), "type": "bind", "options": ["rbind", "rw"]})
         if self.mode in ("cuda", "managed"):
             if self.inject:
-                env.append("NVIDIA_VISIBLE_DEVICES=all")
+                env.append(f"NVIDIA_VISIBLE_DEVICES={self.visible}")
             else:
                 env.append(f"LD_LIBRARY_PATH={NVIDIA_DIR / 'lib64'}")
                 if NVIDIA_DIR.is_dir():
@@ -269,6 +278,21 @@ class Container:
         seconds = time.perf_counter() - t
         return Run(proc.returncode, seconds, self.pipes[-1].read() if proc.returncode else "")
 
+    def select_gpus(self, visible: str) -> None:
+        """Give the container other GPUs for its next restore: NVIDIA_VISIBLE_DEVICES in the
+        bundle's config.json, which gpusnap-runtime's injection reads again at restore."""
+        path = self.bundle / "config.json"
+        spec = json.loads(path.read_text())
+        env = [e for e in spec["process"]["env"] if not e.startswith("NVIDIA_VISIBLE_DEVICES=")]
+        spec["process"]["env"] = [*env, f"NVIDIA_VISIBLE_DEVICES={visible}"]
+        path.write_text(json.dumps(spec, indent=2))
+        self.visible = visible
+
+    def gpu_nodes(self) -> list[str]:
+        """The per-GPU device nodes (/dev/nvidiaN) the bundle's spec gives now."""
+        spec = json.loads((self.bundle / "config.json").read_text())
+        return sorted(d["path"] for d in spec["linux"].get("devices", []) if d["path"][len("/dev/nvidia"):].isdigit() and d["path"].startswith("/dev/nvidia"))
+
     def delete(self) -> None:
         sh([self.stack.runc, "--root", str(self.root), "delete", "--force", self.id], check=False)
 
@@ -282,13 +306,26 @@ class Container:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def reference(mode: str, gb: float, stop: int, workdir: Path, timeout: float = 600) -> dict[int, int]:
+def host_gpus() -> list[tuple[int, str]]:
+    """(NVML index, UUID) of this host's GPUs, from nvidia-smi; empty without one."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    proc = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True)
+    out = []
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit():
+            out.append((int(parts[0]), parts[1]))
+    return out
+
+
+def reference(mode: str, gb: float, stop: int, workdir: Path, timeout: float = 600, gpus: int = 1) -> dict[int, int]:
     """The worker's values at every 10th step up to ``stop``, from a fresh run on the host."""
-    out = workdir / f"reference-{mode}-{gb}-{stop}"
+    out = workdir / (f"reference-{mode}-{gb}-{stop}" + (f"-{gpus}gpus" if gpus != 1 else ""))
     if not out.exists():
-        tmp = out.with_suffix(".partial")
+        tmp = out.with_name(out.name + ".partial")
         tmp.unlink(missing_ok=True)
-        env = {**os.environ, "WORKER_MODE": mode, "GB": str(gb), "STOP": str(stop), "SLEEP": "0"}
+        env = {**os.environ, "WORKER_MODE": mode, "GB": str(gb), "STOP": str(stop), "SLEEP": "0", "WORKER_GPUS": str(gpus)}
         subprocess.run([sys.executable, str(WORKER), str(tmp)], check=True, env=env, timeout=timeout)
         tmp.replace(out)
     res = {}

@@ -5,7 +5,9 @@ write: a host file held open is one CRIU cannot dump). Two runs agree at every s
 restored run can be checked against a fresh reference run.
 
 - ``WORKER_MODE=cuda`` (default): a float32 tensor of ``GB`` GiB on the GPU, updated in place;
-  the value is the sum of its 32-bit patterns (every bit of the tensor counts).
+  the value is the sum of its 32-bit patterns (every bit of the tensor counts). With
+  ``WORKER_GPUS=N`` (default 1): one such tensor on each of the first N GPUs, each with its own
+  seed, and the value joins their sums (so every GPU's every bit counts).
 - ``WORKER_MODE=cpu``: a pure-Python generator, for CI hosts without a GPU (driver stand-in).
 
 ``STOP=N`` ends at step N; ``SLEEP`` seconds between steps (default 0.01).
@@ -30,19 +32,31 @@ if mode == "cuda":
     import torch
 
     n = int(float(os.environ.get("GB", "1")) * (1 << 28))
-    torch.manual_seed(0)
-    x = torch.rand(n, device="cuda")
-    torch.cuda.synchronize()
+    gpus = int(os.environ.get("WORKER_GPUS", "1"))
+    if gpus == 1:
+        torch.manual_seed(0)
+        xs = [torch.rand(n, device="cuda")]
+    else:
+        xs = [torch.rand(n, device=f"cuda:{i}", generator=torch.Generator(device=f"cuda:{i}").manual_seed(i)) for i in range(gpus)]
+    for i in range(gpus):
+        torch.cuda.synchronize(i)
 
     def step() -> None:
-        x.mul_(1.0000001).add_(1e-7)
+        for x in xs:
+            x.mul_(1.0000001).add_(1e-7)
 
-    def value() -> int:
+    def one_value(x) -> int:
         # In chunks: a whole-tensor int64 sum would materialise a temporary twice the tensor's
         # size, which PyTorch's allocator then keeps, tripling the GPU memory the workload holds.
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(x.device)
         bits = x.view(torch.int32)
         return sum(int(c.sum(dtype=torch.int64).item()) for c in bits.split(1 << 24))
+
+    def value() -> int:
+        total = 0
+        for x in xs:
+            total = (total << 64) + one_value(x)
+        return total
 
 elif mode == "managed":
     # CUDA managed (unified) memory, which the checkpoint API refuses: a small allocation only

@@ -33,6 +33,7 @@ class GpuProcess:
     gpu_memory_bytes: int = 0
     gpu_uuids: list[str] = field(default_factory=list)
     comm: str = ""
+    gpu_memory_by_uuid: dict[str, int] = field(default_factory=dict)  # per GPU, when the backend can tell
 
 
 @dataclass

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: gpu_harness, gpu_worker
 
-from gpu_harness import Container, Stack, reference  # noqa: E402
+from gpu_harness import MULTI_GPU_GB, Container, Stack, host_gpus, reference  # noqa: E402
 
 
 def gpu_present() -> bool:
@@ -39,40 +39,45 @@ REF_STOP = int(os.environ.get("GS_GPU_REF_STOP", "6000"))
 
 
 class References:
-    """Reference runs of the worker, started early in the background and shared by all tests."""
+    """Reference runs of the worker, started early in the background and shared by all tests;
+    one per (GiB, number of GPUs)."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.threads: dict[float, threading.Thread] = {}
-        self.results: dict[float, dict[int, int]] = {}
-        self.errors: dict[float, BaseException] = {}
+        self.threads: dict[tuple[float, int], threading.Thread] = {}
+        self.results: dict[tuple[float, int], dict[int, int]] = {}
+        self.errors: dict[tuple[float, int], BaseException] = {}
 
-    def start(self, gb: float) -> None:
-        if gb in self.threads:
+    def start(self, gb: float, gpus: int = 1) -> None:
+        key = (gb, gpus)
+        if key in self.threads:
             return
 
         def work() -> None:
             try:
-                self.results[gb] = reference("cuda", gb, REF_STOP, self.workdir)
+                self.results[key] = reference("cuda", gb, REF_STOP, self.workdir, gpus=gpus)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the test that needs it
-                self.errors[gb] = exc
+                self.errors[key] = exc
 
         t = threading.Thread(target=work, daemon=True)
         t.start()
-        self.threads[gb] = t
+        self.threads[key] = t
 
-    def get(self, gb: float) -> dict[int, int]:
-        self.start(gb)
-        self.threads[gb].join()
-        if gb in self.errors:
-            raise self.errors[gb]
-        return self.results[gb]
+    def get(self, gb: float, gpus: int = 1) -> dict[int, int]:
+        key = (gb, gpus)
+        self.start(gb, gpus)
+        self.threads[key].join()
+        if key in self.errors:
+            raise self.errors[key]
+        return self.results[key]
 
 
 @pytest.fixture(scope="session")
 def refs(tmp_path_factory: pytest.TempPathFactory) -> References:
     r = References(tmp_path_factory.mktemp("reference"))
     r.start(8)
+    if len(host_gpus()) >= 2:
+        r.start(MULTI_GPU_GB, 2)
     return r
 
 

@@ -9,7 +9,11 @@
 #   .gpu-tools/  CRIU 4.x + runc (built elsewhere by gpu-probe/make-tools.sh, or tests/gpu/stage.sh)
 #   .whl/        wheels of gpusnap itself and of the Python packages the machine lacks
 # (tests/gpu/stage.sh DEST builds both). Logs and JSON land in $OUT (default /tmp/gs-gpu-out).
-# GS_GPU_TESTS narrows the pytest part (default tests/gpu); GS_GPU_BENCH_SIZES the benchmark.
+# GS_GPU_TESTS narrows the pytest part (default tests/gpu); GS_GPU_BENCH_SIZES the benchmark
+# (default 1,8 GiB; add 32 for the big run, about 3 more minutes). GS_GPU_BUDGET (seconds, default
+# 540, 0 = none) bounds the whole run: the benchmark skips sizes that would overrun it, so one
+# run fits a 10-minute slot on the GPU machine. On a host with 2 GPUs the suite adds a two-GPU
+# container and a restore onto the other GPU (skipped with one GPU).
 # Exit status: the suite's (pytest), or the benchmark's if the suite passed.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -18,7 +22,7 @@ WHEELS=${GS_GPU_WHEELS:-$REPO/.whl}
 OUT=${OUT:-/tmp/gs-gpu-out}
 SITE=${GS_GPU_SITE:-/tmp/gs-gpu-site}
 START=$(date +%s)
-BUDGET=${GS_GPU_BUDGET:-0}   # seconds for the whole run; the benchmark skips sizes that would overrun
+BUDGET=${GS_GPU_BUDGET:-540}   # seconds for the whole run; the benchmark skips sizes that would overrun
 mkdir -p "$OUT"
 [ -x "$TOOLS/bin/criu" ] && [ -x "$TOOLS/bin/runc" ] || { echo "run_gpu_suite: $TOOLS/bin/{criu,runc} missing; build them with tests/gpu/stage.sh" >&2; exit 5; }
 ls "$WHEELS"/gpusnap-*.whl >/dev/null 2>&1 || { echo "run_gpu_suite: no gpusnap wheel in $WHEELS; build it with tests/gpu/stage.sh" >&2; exit 5; }
@@ -36,7 +40,7 @@ export GPUSNAP_GPU_TOOLS=$TOOLS   # the device tests (test_gpu_devices.py) find 
 export GS_GPU_REPORT=$OUT/suite-rows.jsonl
 rm -f "$GS_GPU_REPORT"
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,uuid --format=csv,noheader
   runc --version | head -1
   criu --version | head -1
   python3 -c 'import torch, cuda.bindings, gpusnap; print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "cuda-bindings", cuda.bindings.__version__, "gpusnap", gpusnap.__version__)'
@@ -48,7 +52,7 @@ python3 -m pytest -p no:cacheprovider -v -rfEs --timeout=400 --junitxml="$OUT/ju
 SUITE=${PIPESTATUS[0]}
 DEADLINE=0
 [ "$BUDGET" -gt 0 ] && DEADLINE=$((START + BUDGET))
-python3 bench/gpu_checkpoint.py --sizes "${GS_GPU_BENCH_SIZES:-1,8,32}" --json "$OUT/bench.json" --deadline "$DEADLINE" 2>&1 | tee "$OUT/bench.log"
+python3 bench/gpu_checkpoint.py --sizes "${GS_GPU_BENCH_SIZES:-1,8}" --json "$OUT/bench.json" --deadline "$DEADLINE" 2>&1 | tee "$OUT/bench.log"
 BENCH=${PIPESTATUS[0]}
 
 echo

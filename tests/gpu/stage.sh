@@ -19,7 +19,10 @@ elif [ ! -x "$DEST/.gpu-tools/bin/criu" ]; then
 fi
 rm -f "$DEST"/.whl/gpusnap-*.whl
 PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python
-"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST/.whl" "$SRC"
+# A checkout's own venv has setuptools and wheel; a clean checkout builds in pip's isolated
+# build environment instead (setuptools and wheel from the configured index).
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST/.whl" "$SRC" 2>/dev/null \
+  || "$PY" -m pip wheel -q --no-deps -w "$DEST/.whl" "$SRC"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST/.whl" \
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1

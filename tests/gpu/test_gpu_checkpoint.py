@@ -5,12 +5,14 @@ a reference run of the same workload at the same steps, bit for bit."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from gpu_harness import Container, assert_matches, small_tmpfs
+from gpu_harness import MULTI_GPU_GB, Container, assert_matches, host_gpus, small_tmpfs
 
 from gpusnap.gpu.base import ProcessGpuState
 from gpusnap.gpu.nvidia import NvidiaBackend
@@ -20,17 +22,33 @@ GB = 8
 GIB = 1 << 30
 
 
-def gpu_memory_of(pids: list[int]) -> int:
-    """Device memory NVML reports for these host PIDs (MiB -> bytes)."""
+def gpu_memory_by_gpu(pids: list[int]) -> dict[str, int]:
+    """GPU UUID -> device memory NVML (nvidia-smi) reports for these host PIDs on it (bytes)."""
     out = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
+        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
     ).stdout
-    total = 0
+    by_gpu: dict[str, int] = {}
     for line in out.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids:
-            total += int(parts[1]) << 20
-    return total
+        if len(parts) == 3 and parts[0].isdigit() and int(parts[0]) in pids and parts[2].isdigit():
+            by_gpu[parts[1]] = by_gpu.get(parts[1], 0) + (int(parts[2]) << 20)
+    return by_gpu
+
+
+def gpu_memory_of(pids: list[int]) -> int:
+    """Device memory NVML reports for these host PIDs, all GPUs together (bytes)."""
+    return sum(gpu_memory_by_gpu(pids).values())
+
+
+def criu_log_tail(path: Path, lines: int = 15) -> str:
+    """The end of CRIU's log (runc writes it into the image directory), for a failure message."""
+    try:
+        return "\nCRIU log " + str(path) + ":\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+two_gpus = pytest.mark.skipif(len(host_gpus()) < 2, reason="needs a machine with at least 2 GPUs")
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +60,14 @@ def states(c: Container, backend: NvidiaBackend) -> list[ProcessGpuState]:
     return [backend.state(p) for p in c.worker_pids()]
 
 
-def checkpoint_delete_restore(c: Container, images: Path, backend: NvidiaBackend, refs, report, name: str) -> None:
+def checkpoint_delete_restore(
+    c: Container, images: Path, backend: NvidiaBackend, refs, report, name: str, *, between: Callable[[], None] | None = None
+) -> tuple[dict, dict]:
+    """Checkpoint, delete, (``between``), restore, then compare with the reference run; returns
+    gpusnap.json and gpusnap-restore.json."""
     nprocs = c.nprocs
     held = gpu_memory_of(c.worker_pids())
-    assert held >= nprocs * c.gb * GIB * 0.99, f"the workload holds only {held / GIB:.1f} GiB"
+    assert held >= nprocs * c.gpus * c.gb * GIB * 0.99, f"the workload holds only {held / GIB:.1f} GiB"
     run = c.checkpoint(images)
     assert run.rc == 0, run.stderr
     meta = json.loads((images / "gpusnap.json").read_text())
@@ -57,21 +79,25 @@ def checkpoint_delete_restore(c: Container, images: Path, backend: NvidiaBackend
     before = [c.last_step(i) for i in range(nprocs)]
     c.delete()
     assert c.state() is None
+    if between is not None:
+        between()
     rst = c.restore(images)
-    assert rst.rc == 0, rst.stderr
+    assert rst.rc == 0, rst.stderr + criu_log_tail(images / "restore.log")
     assert states(c, backend) == [ProcessGpuState.RUNNING] * nprocs
-    assert gpu_memory_of(c.worker_pids()) >= nprocs * c.gb * GIB * 0.99
-    restore_timings = json.loads((images / "gpusnap-restore.json").read_text())["timings_s"]
-    ref = refs.get(c.gb)
+    assert gpu_memory_of(c.worker_pids()) >= nprocs * c.gpus * c.gb * GIB * 0.99
+    restored = json.loads((images / "gpusnap-restore.json").read_text())
+    restore_timings = restored["timings_s"]
+    ref = refs.get(c.gb, c.gpus)
     compared = 0
     for i in range(nprocs):
         c.wait_step(before[i] + 100)
         compared += assert_matches(c.lines(i), ref, after=before[i])
     report(
-        test=name, gib=c.gb * nprocs, procs=nprocs, checkpoint_s=round(run.seconds, 2), restore_s=round(rst.seconds, 2),
+        test=name, gib=c.gb * nprocs * c.gpus, procs=nprocs, checkpoint_s=round(run.seconds, 2), restore_s=round(rst.seconds, 2),
         gpu_lock_s=meta["timings_s"]["gpu_lock"], gpu_to_host_s=meta["timings_s"]["gpu_checkpoint"], criu_dump_s=meta["timings_s"]["criu_dump"],
         runc_restore_s=restore_timings.get("runc_restore"), host_to_gpu_s=restore_timings.get("gpu_restore"), steps_compared=compared,
     )
+    return meta, restored
 
 
 def test_checkpoint_delete_restore_bit_exact(stack, refs, images, containers, backend, report):
@@ -177,3 +203,52 @@ def test_injected_gpus_checkpoint_restore(stack, refs, images, containers, backe
     assert any(d["path"].startswith("/dev/nvidia") for d in spec["linux"].get("devices", []))
     c.wait_step(100)
     checkpoint_delete_restore(c, images, backend, refs, report, "GPUs injected by the runtime (1 GiB)")
+
+
+@two_gpus
+def test_two_gpu_container_bit_exact(stack, refs, images, containers, backend, report):
+    """NVIDIA_VISIBLE_DEVICES=all on a 2-GPU host: one worker with a tensor on each GPU."""
+    refs.start(MULTI_GPU_GB, 2)
+    c = Container(stack, gb=MULTI_GPU_GB, inject=True, gpus=2)
+    containers.append(c)
+    c.start()
+    assert len(c.gpu_nodes()) == len(host_gpus()), c.gpu_nodes()  # every GPU injected
+    c.wait_step(100)
+    held = gpu_memory_by_gpu(c.worker_pids())
+    used = sorted(u for u, n in held.items() if n >= MULTI_GPU_GB * GIB * 0.99)
+    assert len(used) == 2, f"the worker should hold {MULTI_GPU_GB} GiB on each of 2 GPUs: {held}"
+    meta, restored = checkpoint_delete_restore(c, images, backend, refs, report, f"two GPUs in one container ({MULTI_GPU_GB} GiB on each)")
+    assert sorted(g["uuid"] for g in meta["gpus"]) == used
+    (proc,) = meta["processes"]
+    assert sorted(proc["gpu_uuids"]) == used
+    assert set(proc["gpu_memory_by_uuid"]) == set(used) and all(n >= MULTI_GPU_GB * GIB for n in proc["gpu_memory_by_uuid"].values()), proc
+    assert restored["gpu_remap"] == {}, "restored onto the same two GPUs"
+    after = gpu_memory_by_gpu(c.worker_pids())
+    assert all(after.get(u, 0) >= MULTI_GPU_GB * GIB * 0.99 for u in used), after
+
+
+@two_gpus
+def test_restore_onto_another_gpu(stack, refs, images, containers, backend, report):
+    """Checkpointed with only GPU 0 (NVIDIA_VISIBLE_DEVICES=0), restored with only GPU 1: the
+    GPU state lands on GPU 1 (UUID pairs to the driver), the container has GPU 1's node and not
+    GPU 0's, and the values go on bit for bit."""
+    (i0, u0), (i1, u1) = sorted(host_gpus())[:2]
+    c = Container(stack, gb=GB, inject=True, visible=str(i0))
+    containers.append(c)
+    c.start()
+    (old_node,) = c.gpu_nodes()
+    c.wait_step(100)
+    assert set(gpu_memory_by_gpu(c.worker_pids())) == {u0}
+    meta, restored = checkpoint_delete_restore(
+        c, images, backend, refs, report, f"restore onto another GPU (GPU {i0} -> GPU {i1}, {GB} GiB)", between=lambda: c.select_gpus(str(i1))
+    )
+    assert [g["uuid"] for g in meta["gpus"]] == [u0]
+    assert restored["gpu_remap"] == {u0: u1}
+    pids = c.worker_pids()
+    on = gpu_memory_by_gpu(pids)
+    assert set(on) == {u1} and on[u1] >= GB * GIB * 0.99, f"the restored process should hold its memory on {u1} only: {on}"
+    (new_node,) = c.gpu_nodes()
+    assert new_node != old_node
+    root = f"/proc/{pids[0]}/root"
+    assert os.path.exists(root + new_node) and not os.path.exists(root + old_node), os.listdir(root + "/dev")
+    assert os.stat(root + new_node).st_rdev == os.stat(new_node).st_rdev

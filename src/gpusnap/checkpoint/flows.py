@@ -1,7 +1,8 @@
 """The runtime's checkpoint and restore: runc's own operation with the GPU plan's steps around it.
 
 checkpoint = run_steps([*plan.before_dump, runc checkpoint, *plan.after_dump])
-restore    = run_steps([*spec modifiers, restore marker, *plan.before_restore, runc restore,
+restore    = run_steps([*spec modifiers, read the restored spec, restore marker,
+                        *plan.before_restore, GPU nodes of the /dev image, runc restore,
                         *plan.after_restore])
 A failing step undoes the ones before it, newest first (gpusnap.steps), so a failed checkpoint
 leaves the container running and a failed restore leaves nothing half-restored.
@@ -9,6 +10,7 @@ leaves the container running and a failed restore leaves nothing half-restored.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import signal
@@ -19,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from gpusnap import __version__
 from gpusnap.checkpoint.container import container_ref, env_with_path, fill_ref, runc_state, state_globals
@@ -27,6 +30,7 @@ from gpusnap.criu.config import TCP_ESTABLISHED_ANNOTATION
 from gpusnap.criu.locate import CriuInfo, find_criu
 from gpusnap.errors import ExitCode, GpusnapError, RestoreError
 from gpusnap.gpu.base import ContainerRef, GpuPlan
+from gpusnap.gpu.devnodes import retarget_step
 from gpusnap.gpu.plan import make_gpu_plan
 from gpusnap.metadata import CheckpointMetadata
 from gpusnap.runc import run_runc, runc_version
@@ -164,6 +168,18 @@ def restore(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: Gp
     ref = ContainerRef(container_id=call.container_id, init_pid=0, bundle=bundle)
     args, env = call.criu_args_env(criu)
     marker = restore_marker(settings, call.container_id)
+    restored_spec: dict[str, Any] = {}
+
+    def read_spec() -> None:
+        # What the spec modifiers made of config.json for this host: the GPUs the restored
+        # container is given (the GPU plan pairs the checkpoint's GPUs with them) and its device
+        # nodes (written into CRIU's /dev image, which CRIU unpacks instead of runc's own /dev).
+        try:
+            restored_spec.update(json.loads((bundle / "config.json").read_text()))
+        except (OSError, ValueError):
+            return  # runc restore reports a missing or broken bundle in its own words
+        ref.annotations = {str(k): str(v) for k, v in (restored_spec.get("annotations") or {}).items()}
+
     detached = call.inv.flag("detach")
     runner = _Foreground(call, args, env) if not detached else None
 
@@ -186,8 +202,10 @@ def restore(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: Gp
 
     steps = [
         *spec_steps,
+        Step("read the restored spec", read_spec),
         marker_step(marker),
-        *plan.before_restore(image_dir, meta),
+        *plan.before_restore(image_dir, meta, ref),
+        retarget_step(image_dir, restored_spec),
         Step("runc restore", do_restore, undo_restore),
         *plan.after_restore(ref, image_dir, meta),
     ]

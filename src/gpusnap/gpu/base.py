@@ -109,8 +109,9 @@ class GpuPlan(Protocol):
     def after_dump(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata, leave_running: bool) -> list[Step]:
         """With ``leave_running``: restore and unlock so the container goes on."""
 
-    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
-        """Check this host can take the checkpoint; refuse before anything changes."""
+    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None, ref: ContainerRef | None = None) -> list[Step]:
+        """Check this host (the GPUs ``ref.annotations`` give the restored container, when
+        known at the time the step runs) can take the checkpoint; refuse before anything changes."""
 
     def after_restore(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
         """Map restored processes to their new host PIDs, restore GPU state and unlock."""
@@ -125,7 +126,7 @@ class NoGpuPlan:
     def after_dump(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata, leave_running: bool) -> list[Step]:
         return []
 
-    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
+    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None, ref: ContainerRef | None = None) -> list[Step]:
         return []
 
     def after_restore(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:

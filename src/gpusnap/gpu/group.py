@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from gpusnap.config import HostPaths
 from gpusnap.errors import CheckpointError, GpusnapError, RollbackError, UnsupportedError
 from gpusnap.gpu.base import GpuBackend, ProcessGone, ProcessGpuState
+from gpusnap.gpu.hostcheck import pairs_for
 from gpusnap.gpu.procs import container_pids
 from gpusnap.metadata import GpuInfo, GpuProcess
 
@@ -81,7 +82,10 @@ class GpuGroup:
         self._each("gpu_checkpoint", self.backend.checkpoint, lambda pid: self.backend.restore(pid))
 
     def restore_all(self, remap: dict[str, str] | None = None) -> None:
-        self._each("gpu_restore", lambda pid: self.backend.restore(pid, remap or None), self.backend.checkpoint)
+        """Restore every process; with ``remap`` (old -> new GPU UUID, every checkpointed GPU),
+        each process gets the pairs of the GPUs it was checkpointed on."""
+        used = {p.host_pid: p.gpu_uuids for p in self.procs}
+        self._each("gpu_restore", lambda pid: self.backend.restore(pid, pairs_for(remap or {}, used.get(pid, []))), self.backend.checkpoint)
 
     def unlock_all(self) -> None:
         self._each("gpu_unlock", self.backend.unlock, None)

@@ -1,7 +1,12 @@
 """Can this host take a GPU checkpoint? Checked against gpusnap.json before anything changes.
 
 The answer is either an :class:`IncompatibleHostError` naming what differs, or the GPU UUID
-remap to hand to the driver's restore (empty when the checkpoint's GPUs are all here).
+pairs to hand to the driver's restore: empty when every checkpointed GPU is restored onto itself,
+otherwise one pair for *every* checkpointed GPU (identity pairs included), because the driver
+refuses a pair list that leaves out a GPU the process was checkpointed on.
+
+``targets`` are the GPUs the restored container is given (the UUIDs its restore spec was
+injected with, in its selection's order); without them any GPU of this host may take the state.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ def needed_memory(meta: CheckpointMetadata) -> dict[str, int]:
     """Checkpointed GPU UUID -> device memory its processes held."""
     need: dict[str, int] = defaultdict(int)
     for p in meta.processes:
-        if len(p.gpu_uuids) == 1:
+        if p.gpu_memory_by_uuid:
+            for u, n in p.gpu_memory_by_uuid.items():
+                need[u] += n
+        elif len(p.gpu_uuids) == 1:
             need[p.gpu_uuids[0]] += p.gpu_memory_bytes
         else:
             # NVML gave one total across several GPUs: count it against each, to stay safe.
@@ -35,8 +43,9 @@ def needed_memory(meta: CheckpointMetadata) -> dict[str, int]:
     return dict(need)
 
 
-def check_host(meta: CheckpointMetadata, host: list[GpuStatus], supports_remap: bool) -> dict[str, str]:
-    """Refuse (IncompatibleHostError) unless ``host`` can restore ``meta``'s GPU state; return the remap."""
+def check_host(meta: CheckpointMetadata, host: list[GpuStatus], supports_remap: bool, targets: list[str] | None = None) -> dict[str, str]:
+    """Refuse (IncompatibleHostError) unless ``host`` can restore ``meta``'s GPU state; return the
+    UUID pairs (old -> new) for the driver, empty when no GPU changes."""
     if not meta.processes:
         return {}
     wanted: list[GpuInfo] = meta.gpus
@@ -53,22 +62,26 @@ def check_host(meta: CheckpointMetadata, host: list[GpuStatus], supports_remap: 
             f"this host's NVIDIA driver {host_driver} is older than the checkpoint's {ckpt_driver}; upgrade the driver to >= {ckpt_driver}"
         )
     by_uuid = {s.info.uuid: s for s in host}
+    candidates = host if targets is None else _given(host, by_uuid, targets)
     need = needed_memory(meta)
     remap: dict[str, str] = {}
     taken: set[str] = set()
-    # Same UUID first (no remap), then any free GPU of the same model, in index order.
+    # Same UUID first (no remap), then any free GPU of the same model, in order (index order,
+    # or the order the restored container's GPUs were asked for).
     for g in wanted:
-        if g.uuid in by_uuid and by_uuid[g.uuid].info.name == g.name:
+        if any(s.info.uuid == g.uuid and s.info.name == g.name for s in candidates):
             remap[g.uuid] = g.uuid
             taken.add(g.uuid)
     for g in wanted:
         if g.uuid in remap:
             continue
-        choice = next((s for s in host if s.info.name == g.name and s.info.uuid not in taken and not s.mig_enabled), None)
+        choice = next((s for s in candidates if s.info.name == g.name and s.info.uuid not in taken and not s.mig_enabled), None)
         if choice is None:
-            have = ", ".join(f"{n}x {m}" for m, n in _count(host).items())
+            have = ", ".join(f"{n}x {m}" for m, n in _count(candidates).items())
             want = ", ".join(f"{n}x {m}" for m, n in _count_infos(wanted).items())
-            raise IncompatibleHostError(f"the checkpoint needs {want} but this host has {have or 'no GPUs'}; restore on a host with the same GPU model and count")
+            where = "this host has" if targets is None else "the restored container is given"
+            fix = "restore on a host with the same GPU model and count" if targets is None else "give it as many GPUs of that model (gpusnap.io/gpus or NVIDIA_VISIBLE_DEVICES)"
+            raise IncompatibleHostError(f"the checkpoint needs {want} but {where} {have or 'no GPUs'}; {fix}")
         remap[g.uuid] = choice.info.uuid
         taken.add(choice.info.uuid)
     for old, new in remap.items():
@@ -82,9 +95,32 @@ def check_host(meta: CheckpointMetadata, host: list[GpuStatus], supports_remap: 
     moved = {o: n for o, n in remap.items() if o != n}
     if moved and not supports_remap:
         raise IncompatibleHostError(
-            "the checkpoint's GPUs are not on this host and this driver cannot remap GPUs on restore; use driver >= 580 or the same GPUs"
+            "the checkpoint's GPUs are not the ones given here and this driver cannot remap GPUs on restore; use driver >= 580 or the same GPUs"
         )
-    return moved
+    return remap if moved else {}
+
+
+def _given(host: list[GpuStatus], by_uuid: dict[str, GpuStatus], targets: list[str]) -> list[GpuStatus]:
+    """The host GPUs named by ``targets``, in that order."""
+    out: list[GpuStatus] = []
+    for u in targets:
+        if u not in by_uuid:
+            have = ", ".join(s.info.uuid for s in host) or "none"
+            raise IncompatibleHostError(f"the restored container is given GPU {u}, which this host's driver does not list (GPUs: {have}); fix its GPU selection")
+        if by_uuid[u] not in out:
+            out.append(by_uuid[u])
+    return out
+
+
+def pairs_for(remap: dict[str, str], gpu_uuids: list[str]) -> dict[str, str] | None:
+    """The pairs for one process: those of the GPUs it was checkpointed on (every one of them,
+    as the driver requires), or None when none of its GPUs moves (a plain restore)."""
+    if not remap:
+        return None
+    if not gpu_uuids:
+        return dict(remap)  # the backend could not tell which GPUs it used: all of them
+    own = {u: remap.get(u, u) for u in gpu_uuids}
+    return own if any(o != n for o, n in own.items()) else None
 
 
 def _count(host: list[GpuStatus]) -> dict[str, int]:

@@ -230,6 +230,7 @@ class NvidiaBackend:
                     gpu_memory_bytes=sum(used.values()),
                     gpu_uuids=sorted(used),
                     comm=comm(self.host.proc, pid),
+                    gpu_memory_by_uuid=dict(sorted(used.items())),
                 )
             )
         return out

@@ -6,7 +6,9 @@ carries a state-aware undo, so a failure anywhere later (CRIU, a signal, a full 
 process back to RUNNING. With ``--leave-running`` the state is restored and unlocked once CRIU
 is done. Restore: check the host against gpusnap.json before anything changes; after runc has
 restored the processes, find their new host PIDs by their PIDs inside the container, restore
-their GPU state (remapping GPUs when they differ) and unlock them.
+their GPU state (remapping GPUs when they differ) and unlock them. The GPUs that take the state
+are those the restored spec was given (gpusnap.io/assigned-gpus, written by the injection from
+gpusnap.io/gpus or NVIDIA_VISIBLE_DEVICES), else any of this host's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gpusnap.gpu.base import ContainerRef, GpuBackend, GpuPlan, NoGpuPlan, Proce
 from gpusnap.gpu.group import GpuGroup
 from gpusnap.gpu.hostcheck import check_host
 from gpusnap.gpu.procs import container_pids, host_pid_by_ns_pid
+from gpusnap.gpu.selection import assigned_gpus
 from gpusnap.gpu.unsupported import uses_nvidia_devices
 from gpusnap.metadata import CheckpointMetadata, GpuProcess
 from gpusnap.steps import Step
@@ -119,14 +122,17 @@ class CudaPlan:
         return steps
 
     # -- restore ---------------------------------------------------------------------------------
-    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
+    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None, ref: ContainerRef | None = None) -> list[Step]:
         run = self._rest = _Run()
         if meta is None or not meta.processes:
             return []
 
         def host_check() -> None:
             run.started = self.clock()
-            run.remap = check_host(meta, self.backend.status(), self.backend.supports_remap())
+            # Read when the step runs: the restore flow fills ref.annotations from the spec the
+            # modifiers have just written.
+            targets = assigned_gpus(ref.annotations) if ref is not None else None
+            run.remap = check_host(meta, self.backend.status(), self.backend.supports_remap(), targets)
             run.mark = self.clock()
 
         return [Step("gpu: check this host can take the GPU state", host_check)]
@@ -145,7 +151,7 @@ class CudaPlan:
             for p in meta.processes:
                 if p.ns_pid not in by_ns:
                     raise RestoreError(f"GPU process {p.ns_pid} ({p.comm}) of the checkpoint is not in the restored container; the image is incomplete")
-                procs.append(GpuProcess(host_pid=by_ns[p.ns_pid], ns_pid=p.ns_pid, gpu_memory_bytes=p.gpu_memory_bytes, gpu_uuids=p.gpu_uuids, comm=p.comm))
+                procs.append(GpuProcess(host_pid=by_ns[p.ns_pid], ns_pid=p.ns_pid, gpu_memory_bytes=p.gpu_memory_bytes, gpu_uuids=p.gpu_uuids, comm=p.comm, gpu_memory_by_uuid=p.gpu_memory_by_uuid))
             group = GpuGroup(backend=self.backend, procs=procs, clock=self.clock)
             for p in procs:
                 state = self.backend.state(p.host_pid)
@@ -200,7 +206,7 @@ class NoDriverPlan(NoGpuPlan):
 
         return [Step("gpu: check for GPU processes", refuse_gpu_users)]
 
-    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
+    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None, ref: ContainerRef | None = None) -> list[Step]:
         if meta is None or not meta.processes:
             return []
 

@@ -27,6 +27,8 @@ from gpusnap.errors import UsageError
 from gpusnap.gpu.discovery import GpuIdentity, Inventory
 
 ANNOTATION = "gpusnap.io/gpus"
+ASSIGNED_ANNOTATION = "gpusnap.io/assigned-gpus"  # written by the injection: the UUIDs given, in order
+VENDOR_ANNOTATION = "gpusnap.io/gpu-vendor"
 ENV_GPUSNAP = "GPUSNAP_VISIBLE_DEVICES"
 ENV_NVIDIA = "NVIDIA_VISIBLE_DEVICES"
 ENV_AMD = "AMD_VISIBLE_DEVICES"
@@ -161,6 +163,14 @@ def select(spec: dict[str, Any], inventory: Inventory) -> Selection | None:
     if any(not i for i in items):
         raise UsageError(f"{request.source}={request.value!r}: empty item in the list; use e.g. 0,1 or GPU-<uuid>")
     return Selection(request, vendor, _resolve_items(items, gpus, request))
+
+
+def assigned_gpus(annotations: dict[str, str]) -> list[str] | None:
+    """The NVIDIA GPU UUIDs gpusnap's injection gave a spec (its annotation), in selection order;
+    None when the spec's GPUs came from elsewhere (CDI, hand-written devices) or are AMD's."""
+    if ASSIGNED_ANNOTATION not in annotations or annotations.get(VENDOR_ANNOTATION, "nvidia") != "nvidia":
+        return None
+    return [u for u in (x.strip() for x in annotations[ASSIGNED_ANNOTATION].split(",")) if u]
 
 
 def state_path(state_dir: Path, container_id: str) -> Path:

@@ -245,6 +245,7 @@ class StandinBackend:
                     gpu_memory_bytes=sum(used.values()),
                     gpu_uuids=sorted(used),
                     comm=comm(self.host.proc, pid),
+                    gpu_memory_by_uuid=dict(sorted(used.items())),
                 )
             )
         return out

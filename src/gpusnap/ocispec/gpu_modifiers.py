@@ -31,14 +31,14 @@ from gpusnap.config import Settings
 from gpusnap.criu.config import EXTRA_OPTIONS_ANNOTATION
 from gpusnap.errors import IncompatibleHostError, MissingDependencyError, UsageError
 from gpusnap.gpu.discovery import DeviceNode, DriverFile, Inventory, discover
-from gpusnap.gpu.selection import Selection, already_injected, cdi_device_paths, select
+from gpusnap.gpu.selection import ASSIGNED_ANNOTATION, VENDOR_ANNOTATION, Selection, already_injected, cdi_device_paths, select
 
 STABLE_LIB_DIR = "/usr/local/gpusnap/driver/lib"
 STABLE_BIN_DIR = "/usr/local/gpusnap/driver/bin"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-ANN_ASSIGNED = "gpusnap.io/assigned-gpus"  # comma list of UUIDs actually given
-ANN_VENDOR = "gpusnap.io/gpu-vendor"
+ANN_ASSIGNED = ASSIGNED_ANNOTATION  # comma list of UUIDs actually given
+ANN_VENDOR = VENDOR_ANNOTATION
 ANN_CRIU_LIBDIR = "gpusnap.io/criu-libdir"  # CRIU plugin directory (--libdir) for checkpoint/restore
 ANN_CRIU_ENV = "gpusnap.io/criu-env"  # JSON object: environment for CRIU (the amdgpu plugin's KFD_*)
 ANN_AMD_RELAXED = "gpusnap.io/amd-relaxed-checks"  # "true": allow restore on a different AMD GPU

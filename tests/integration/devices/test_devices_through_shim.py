@@ -4,6 +4,7 @@ NVIDIA host tree: real character nodes made with mknod, a fake /proc and driver-
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -154,8 +155,8 @@ def test_restore_on_a_host_with_another_driver_and_uvm_major(tmp_path: Path) -> 
     restored container finds the new host's libraries behind the same stable path, and, once
     gpusnap.gpu.devnodes.retarget_step has run on the images, the new host's device numbers.
 
-    The shim's restore flow does not splice that step in yet (docs/devices.md), so this test runs
-    it itself, on the real CRIU images, with the spec the shim's chain gives at restore."""
+    The test runs that step itself first, on the real CRIU images, with the spec the shim's chain
+    gives at restore (the shim's restore then finds nothing left to change)."""
     old = make_gpu_shim(tmp_path / "shim", "gs-dev-rt-old", host="host-old")
     new = make_gpu_shim(tmp_path / "shim", "gs-dev-rt-new", host="host-new", driver_version="590.10.02", uvm_major=240)
     b = make_bundle(tmp_path, ["sh", "-c", "while true; do sleep 0.2; done"], ["NVIDIA_VISIBLE_DEVICES=all"])
@@ -184,6 +185,53 @@ def test_restore_on_a_host_with_another_driver_and_uvm_major(tmp_path: Path) -> 
         assert after.nodes["/dev/nvidia-uvm"][0] == 240
         assert after.libs == expected_libs(new.tree)
         assert after.libs[f"{STABLE}lib/libcuda.so.1"] == "fake libcuda.so 590.10.02"
+    finally:
+        run([RUNC, "--root", str(b.root), "delete", "-f", cid], check=False)
+        for r, w in fds:
+            for fd in (r, w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def test_restore_with_another_gpu_given_swaps_the_gpu_node(tmp_path: Path, gpu_shim: GpuShim) -> None:
+    """Checkpointed with GPU 0 (NVIDIA_VISIBLE_DEVICES=0), restored with GPU 1 given instead: CRIU
+    unpacks /dev from the image, so gpusnap-runtime's restore rewrites the image's per-GPU node —
+    the restored container has /dev/nvidia1 with the host's numbers, no /dev/nvidia0, and its
+    device cgroup (from the restored spec) lets it open /dev/nvidia1 but not GPU 0's numbers."""
+    b = make_bundle(tmp_path, ["sh", "-c", "while true; do sleep 0.2; done"], ["NVIDIA_VISIBLE_DEVICES=0"])
+    cid = unique("swap")
+    images = tmp_path / "images"
+    env = gpu_shim.env()
+    fds = [os.pipe() for _ in range(2)]
+    os.set_blocking(fds[1][0], False)
+
+    def detached(cmd: list[str]) -> None:
+        proc = subprocess.run(cmd, env=env, stdin=fds[0][0], stdout=fds[1][1], stderr=fds[1][1], timeout=120, check=False)
+        if proc.returncode != 0:
+            with contextlib.suppress(BlockingIOError):
+                raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}: {os.read(fds[1][0], 65536).decode()}")
+            raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}")
+
+    try:
+        detached([SHIM, "--root", str(b.root), "run", "-d", "--bundle", str(b.path), cid])
+        before = parse_probe(run([RUNC, "--root", str(b.root), "exec", cid, "sh", "-c", PROBE]).stdout)
+        assert before.nodes == expected_nodes(gpu_shim.tree, [0])
+        run([SHIM, "--root", str(b.root), "checkpoint", "--image-path", str(images), cid], env=env)
+        spec = b.config()
+        spec["process"]["env"] = [e for e in spec["process"]["env"] if not e.startswith("NVIDIA_VISIBLE_DEVICES=")] + ["NVIDIA_VISIBLE_DEVICES=1"]
+        (b.path / "config.json").write_text(json.dumps(spec))
+        detached([SHIM, "--root", str(b.root), "restore", "-d", "--image-path", str(images), "--bundle", str(b.path), cid])
+        after = parse_probe(run([RUNC, "--root", str(b.root), "exec", cid, "sh", "-c", PROBE]).stdout)
+        assert after.nodes == expected_nodes(gpu_shim.tree, [1])
+        assert "/dev/nvidia0" not in after.nodes and "/dev/nvidia1" in after.nodes
+        assert b.config()["annotations"]["gpusnap.io/assigned-gpus"] == gpu_shim.tree.uuids[1]
+        # The device cgroup (from the restored spec) lets the container open GPU 1's node — no
+        # driver answers here, so the kernel says ENXIO rather than the cgroup's EPERM — and
+        # refuses GPU 0's numbers.
+        probe = "{ busybox cat /dev/nvidia1; busybox mknod /dev/gs-g0 c %d %d && busybox cat /dev/gs-g0; } 2>&1; true" % before.nodes["/dev/nvidia0"][:2]
+        opened = run([RUNC, "--root", str(b.root), "exec", cid, "sh", "-c", probe])
+        gpu1, _, gpu0 = opened.stdout.partition("\n")
+        assert "No such device or address" in gpu1 and "not permitted" in gpu0, opened.stdout
     finally:
         run([RUNC, "--root", str(b.root), "delete", "-f", cid], check=False)
         for r, w in fds:

@@ -46,8 +46,15 @@ class RecordingPlan:
     def after_dump(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata, leave_running: bool) -> list[Step]:
         return [self._step(f"gpu after dump leave_running={leave_running}")]
 
-    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
-        return [self._step(f"gpu host check meta={meta is not None}")]
+    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None, ref: ContainerRef | None = None) -> list[Step]:
+        name = f"gpu host check meta={meta is not None}"
+
+        def check() -> None:
+            assert ref is not None  # the flow hands the plan its ContainerRef
+            gpus = ref.annotations.get("gpusnap.io/assigned-gpus")
+            self.events.append(name + (f" gpus={gpus}" if gpus else ""))
+
+        return [Step(name, check, lambda: self.events.append(f"undo {name}"))]
 
     def after_restore(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
         def do() -> None:
@@ -148,3 +155,59 @@ def test_metadata_is_json(rig, tmp_path: Path) -> None:
     checkpoint(call(["checkpoint", "c1"]), settings, RecordingPlan([]))
     data = json.loads((tmp_path / "checkpoint" / "gpusnap.json").read_text())
     assert data["container_id"] == "c1" and data["runtime"] == "gpusnap-runtime"
+
+
+def _dev_image(path: Path, nodes: dict[str, tuple[int, int]]) -> None:
+    import gzip
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb") as gz, tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as t:
+        for name, (major, minor) in nodes.items():
+            ti = tarfile.TarInfo(f"./{name}")
+            ti.type, ti.devmajor, ti.devminor, ti.mode = tarfile.CHRTYPE, major, minor, 0o666
+            t.addfile(ti)
+    path.write_bytes(buf.getvalue())
+
+
+def _dev_nodes(path: Path) -> dict[str, tuple[int, int]]:
+    import tarfile
+
+    with tarfile.open(path, "r:gz") as t:
+        return {m.name: (m.devmajor, m.devminor) for m in t.getmembers() if m.ischr()}
+
+
+RESTORED_SPEC = {
+    "annotations": {"gpusnap.io/assigned-gpus": "GPU-b", "gpusnap.io/gpu-vendor": "nvidia"},
+    "linux": {"devices": [{"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+                          {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1, "fileMode": 438}]},
+}
+
+
+@pytest.mark.parametrize("runc_rc", ["", "5"])
+def test_restore_gives_the_plan_the_restored_gpus_and_retargets_dev_nodes(rig, tmp_path: Path, runc_rc: str) -> None:
+    """The spec the modifiers wrote names the GPUs of the restore (for the plan's pairing) and
+    its nodes, which replace the checkpoint's per-GPU nodes in CRIU's /dev image before runc
+    restore; a failed restore puts the image back as it was."""
+    settings, call, log, _ = rig
+    (tmp_path / "img").mkdir()
+    CheckpointMetadata(container_id="c1", created="now").write(tmp_path / "img")
+    dev = tmp_path / "img" / "tmpfs-dev-7.tar.gz.img"
+    _dev_image(dev, {"nvidiactl": (195, 255), "nvidia0": (195, 0), "null": (1, 3)})
+    original = dev.read_bytes()
+    (tmp_path / "config.json").write_text(json.dumps(RESTORED_SPEC))
+    events: list[str] = []
+    seen: dict[str, dict[str, tuple[int, int]]] = {}
+    spec_step = Step("spec", lambda: seen.setdefault("at spec", _dev_nodes(dev)))
+    argv = ["restore", "-d", "--image-path", "img", "c1"]
+    if runc_rc:
+        with pytest.raises(StepFailed):
+            restore(call(argv, FAKE_RC=runc_rc), settings, [spec_step], RecordingPlan(events))
+        assert dev.read_bytes() == original
+        assert events == ["gpu host check meta=True gpus=GPU-b", "undo gpu host check meta=True"]
+        return
+    assert restore(call(argv), settings, [spec_step], RecordingPlan(events)) == 0
+    assert events == ["gpu host check meta=True gpus=GPU-b", "gpu restore pid 4242"]
+    assert seen["at spec"] == {"./nvidiactl": (195, 255), "./nvidia0": (195, 0), "./null": (1, 3)}
+    assert _dev_nodes(dev) == {"./nvidiactl": (195, 255), "./null": (1, 3), "./nvidia1": (195, 1)}

@@ -86,3 +86,60 @@ def test_damaged_image_is_a_restore_error(tmp_path: Path) -> None:
     (tmp_path / "tmpfs-dev-46.tar.gz.img").write_bytes(b"not gzip")
     with pytest.raises(RestoreError, match="damaged"):
         retarget_dev_images(tmp_path, SPEC_DEVICES)
+
+
+def read_members(path: Path) -> dict[str, tuple[int, int, int, int, int]]:
+    with tarfile.open(path, "r:gz") as t:
+        return {m.name: (m.devmajor, m.devminor, m.mode, m.uid, m.gid) for m in t.getmembers() if m.ischr()}
+
+
+def test_restore_onto_another_gpu_swaps_the_per_gpu_node(tmp_path: Path) -> None:
+    """Checkpointed with GPU 0, restored with GPU 1 given: CRIU must unpack /dev/nvidia1 (the
+    node the CUDA driver opens for that GPU) and no /dev/nvidia0 (a GPU not given any more)."""
+    img = tmp_path / "tmpfs-dev-46.tar.gz.img"
+    dev_image(img, {"nvidiactl": (195, 255), "nvidia-uvm": (240, 0), "nvidia0": (195, 0), "null": (1, 3)}, extra_file=b"kept")
+    spec = [
+        {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+        {"path": "/dev/nvidia-uvm", "type": "c", "major": 240, "minor": 0},
+        {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1, "fileMode": 0o666, "uid": 0, "gid": 0},
+    ]
+    changes, originals = retarget_dev_images(tmp_path, spec)
+    assert sorted((c.path, c.old, c.new) for c in changes) == [("/dev/nvidia0", (195, 0), None), ("/dev/nvidia1", None, (195, 1))]
+    assert read_members(img) == {
+        "./nvidiactl": (195, 255, 0o666, 0, 0), "./nvidia-uvm": (240, 0, 0o666, 0, 0), "./null": (1, 3, 0o666, 0, 0),
+        "./nvidia1": (195, 1, 0o666, 0, 0),
+    }
+    with tarfile.open(img, "r:gz") as t:
+        assert t.extractfile("./note").read() == b"kept"
+    assert list(originals) == [img]
+    assert retarget_dev_images(tmp_path, spec) == ([], {}), "applied twice changes nothing"
+
+
+def test_two_gpus_to_other_two_and_mode_from_the_spec(tmp_path: Path) -> None:
+    img = tmp_path / "tmpfs-dev-9.tar.gz.img"
+    dev_image(img, {"nvidia0": (195, 0), "nvidia1": (195, 1)})
+    spec = [{"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1},
+            {"path": "/dev/nvidia3", "type": "c", "major": 195, "minor": 3, "fileMode": 0o660, "uid": 0, "gid": 44}]
+    changes, _ = retarget_dev_images(tmp_path, spec)
+    assert sorted((c.path, c.old, c.new) for c in changes) == [("/dev/nvidia0", (195, 0), None), ("/dev/nvidia3", None, (195, 3))]
+    assert read_members(img) == {"./nvidia1": (195, 1, 0o666, 0, 0), "./nvidia3": (195, 3, 0o660, 0, 44)}
+
+
+def test_spec_without_gpu_nodes_leaves_the_image_alone(tmp_path: Path) -> None:
+    img = tmp_path / "tmpfs-dev-9.tar.gz.img"
+    dev_image(img, {"nvidia0": (195, 0), "fuse": (10, 229)})
+    before = img.read_bytes()
+    assert retarget_dev_images(tmp_path, [{"path": "/dev/fuse", "type": "c", "major": 10, "minor": 229}]) == ([], {})
+    assert img.read_bytes() == before
+
+
+def test_nodes_are_added_only_to_the_dev_image(tmp_path: Path) -> None:
+    """CRIU writes a tmpfs-dev-N image for every tmpfs (/dev/shm too): only /dev's gets nodes."""
+    dev, shm = tmp_path / "tmpfs-dev-46.tar.gz.img", tmp_path / "tmpfs-dev-47.tar.gz.img"
+    dev_image(dev, {"nvidiactl": (195, 255), "nvidia0": (195, 0)})
+    dev_image(shm, {}, extra_file=b"shared memory")
+    before = shm.read_bytes()
+    retarget_dev_images(tmp_path, [{"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+                                   {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1}])
+    assert read_nodes(dev) == {"./nvidiactl": (195, 255), "./nvidia1": (195, 1)}
+    assert shm.read_bytes() == before

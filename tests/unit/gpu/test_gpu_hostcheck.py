@@ -6,7 +6,7 @@ import pytest
 
 from gpusnap.errors import IncompatibleHostError
 from gpusnap.gpu.base import GpuStatus
-from gpusnap.gpu.hostcheck import check_host, needed_memory
+from gpusnap.gpu.hostcheck import check_host, needed_memory, pairs_for
 from gpusnap.metadata import CheckpointMetadata, GpuInfo, GpuProcess
 
 GIB = 1 << 30
@@ -36,9 +36,63 @@ def test_other_gpus_of_the_same_model_are_taken_in_index_order():
     assert check_host(m, host, supports_remap=True) == {"GPU-a": "GPU-y", "GPU-b": "GPU-z"}
 
 
-def test_partial_overlap_keeps_the_gpu_that_is_here():
+def test_partial_overlap_keeps_the_gpu_that_is_here_and_pairs_every_gpu():
+    # The driver wants a pair for every checkpointed GPU once any moves: identity pairs too.
     m = meta(("GPU-a", GIB), ("GPU-b", GIB), gpus=["GPU-a", "GPU-b"])
-    assert check_host(m, [gpu(0, "GPU-z"), gpu(1, "GPU-b")], supports_remap=True) == {"GPU-a": "GPU-z"}
+    assert check_host(m, [gpu(0, "GPU-z"), gpu(1, "GPU-b")], supports_remap=True) == {"GPU-a": "GPU-z", "GPU-b": "GPU-b"}
+
+
+def test_targets_choose_the_gpus_even_when_the_old_one_is_here():
+    # Checkpointed on GPU 0 of this host, restored with only GPU 1 given: GPU 0 must not be kept.
+    m = meta(("GPU-a", 8 * GIB), gpus=["GPU-a"])
+    host = [gpu(0, "GPU-a"), gpu(1, "GPU-b")]
+    assert check_host(m, host, supports_remap=True) == {}
+    assert check_host(m, host, supports_remap=True, targets=["GPU-b"]) == {"GPU-a": "GPU-b"}
+    assert check_host(m, host, supports_remap=True, targets=["GPU-a"]) == {}
+
+
+def test_targets_keep_what_is_given_and_pair_the_rest_in_their_order():
+    m = meta(("GPU-a", GIB), ("GPU-b", GIB), gpus=["GPU-a", "GPU-b"])
+    host = [gpu(0, "GPU-a"), gpu(1, "GPU-b"), gpu(2, "GPU-c"), gpu(3, "GPU-d")]
+    assert check_host(m, host, supports_remap=True, targets=["GPU-d", "GPU-b"]) == {"GPU-a": "GPU-d", "GPU-b": "GPU-b"}
+    assert check_host(m, host, supports_remap=True, targets=["GPU-d", "GPU-c"]) == {"GPU-a": "GPU-d", "GPU-b": "GPU-c"}
+
+
+@pytest.mark.parametrize(
+    "targets, remap, word",
+    [
+        (["GPU-b"], True, "given 1x H200"),  # fewer GPUs given than checkpointed
+        ([], True, "given no GPUs"),  # NVIDIA_VISIBLE_DEVICES=none
+        (["GPU-nope", "GPU-b"], True, "does not list"),
+        (["GPU-c", "GPU-d"], False, "cannot remap"),
+    ],
+)
+def test_target_refusals(targets, remap, word):
+    m = meta(("GPU-a", GIB), ("GPU-b", GIB), gpus=["GPU-a", "GPU-b"])
+    host = [gpu(0, "GPU-a"), gpu(1, "GPU-b"), gpu(2, "GPU-c"), gpu(3, "GPU-d")]
+    with pytest.raises(IncompatibleHostError, match=word):
+        check_host(m, host, supports_remap=remap, targets=targets)
+
+
+def test_target_of_another_model_is_refused():
+    m = meta(("GPU-a", GIB), gpus=["GPU-a"])
+    with pytest.raises(IncompatibleHostError, match="needs 1x H200 but the restored container is given 1x L40S"):
+        check_host(m, [gpu(0, "GPU-a"), gpu(1, "GPU-x", name="L40S")], supports_remap=True, targets=["GPU-x"])
+
+
+def test_free_memory_is_checked_on_the_target():
+    m = meta(("GPU-a", 8 * GIB), gpus=["GPU-a"])
+    with pytest.raises(IncompatibleHostError, match="GPU-b has 1.0 GiB free"):
+        check_host(m, [gpu(0, "GPU-a"), gpu(1, "GPU-b", free=GIB)], supports_remap=True, targets=["GPU-b"])
+
+
+def test_pairs_for_each_process_are_its_own_gpus():
+    remap = {"GPU-a": "GPU-c", "GPU-b": "GPU-b"}
+    assert pairs_for(remap, ["GPU-a"]) == {"GPU-a": "GPU-c"}
+    assert pairs_for(remap, ["GPU-a", "GPU-b"]) == {"GPU-a": "GPU-c", "GPU-b": "GPU-b"}
+    assert pairs_for(remap, ["GPU-b"]) is None  # none of its GPUs moves: a plain restore
+    assert pairs_for(remap, []) == remap  # unknown: every pair
+    assert pairs_for({}, ["GPU-a"]) is None
 
 
 @pytest.mark.parametrize(
@@ -64,3 +118,9 @@ def test_no_gpu_processes_need_nothing():
 def test_memory_of_a_multi_gpu_process_counts_on_each():
     m = CheckpointMetadata(container_id="c", created="now", processes=[GpuProcess(1, 1, 4 * GIB, ["GPU-a", "GPU-b"]), GpuProcess(2, 2, GIB, ["GPU-a"])])
     assert needed_memory(m) == {"GPU-a": 5 * GIB, "GPU-b": 4 * GIB}
+
+
+def test_memory_per_gpu_is_used_when_known():
+    p = GpuProcess(1, 1, 5 * GIB, ["GPU-a", "GPU-b"], gpu_memory_by_uuid={"GPU-a": 4 * GIB, "GPU-b": GIB})
+    m = CheckpointMetadata(container_id="c", created="now", processes=[p])
+    assert needed_memory(m) == {"GPU-a": 4 * GIB, "GPU-b": GIB}

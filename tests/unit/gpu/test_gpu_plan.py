@@ -13,7 +13,7 @@ import time
 import pytest
 
 from gpusnap.errors import CheckpointError, ExitCode, IncompatibleHostError, RestoreError
-from gpusnap.gpu.base import ProcessGpuState
+from gpusnap.gpu.base import ContainerRef, ProcessGpuState
 from gpusnap.gpu.plan import CudaPlan, make_gpu_plan
 from gpusnap.metadata import CheckpointMetadata
 from gpusnap.steps import Step, StepFailed, run_steps, signals_as_exceptions
@@ -263,3 +263,71 @@ def test_restore_failure_of_driver_is_reported(plan, fake, standin, tmp_path):
     with pytest.raises(StepFailed, match="restore of host PID"):
         restore(make_gpu_plan(plan.settings), fake, list(fake.tokens), tmp_path / "img")
     assert not fake.illegal_calls()
+
+
+GPU_A = "GPU-0000aaaa-0000-0000-0000-00000000000a"
+GPU_B = "GPU-0000bbbb-0000-0000-0000-00000000000b"
+
+
+def restore_given(plan, fake, tokens, image_dir, gpus: str):
+    """As the shim restores: the restored spec's annotations (what the injection gave) reach the plan."""
+    meta = CheckpointMetadata.read(image_dir)
+    given = ContainerRef(container_id="gs-gpu-fake", init_pid=0, bundle=image_dir, annotations={"gpusnap.io/assigned-gpus": gpus, "gpusnap.io/gpu-vendor": "nvidia"})
+    box = {}
+    run_steps([*plan.before_restore(image_dir, meta, given), Step("runc restore", lambda: box.setdefault("init", fake.start_container(n_cuda=len(tokens), tokens=tokens, GPUSNAP_STANDIN_GPU=GPU_A)))])
+    run_steps(plan.after_restore(fake.container_ref(box["init"]), image_dir, meta))
+    return box["init"], meta
+
+
+def test_restore_onto_the_gpu_the_restored_spec_gives_although_the_old_one_is_here(plan, fake, standin, tmp_path):
+    (standin.state_dir / "gpus.json").write_text(json.dumps([{"uuid": GPU_A}, {"uuid": GPU_B}]))
+    init = fake.start_container(n_cuda=2, GPUSNAP_STANDIN_GPU=GPU_A)
+    meta, _ = checkpoint(plan, fake, init, tmp_path / "img", leave_running=False)
+    assert [g.uuid for g in meta.gpus] == [GPU_A]
+    assert all(p.gpu_memory_by_uuid == {GPU_A: 100 << 20} for p in meta.processes)
+    new_init, meta = restore_given(make_gpu_plan(plan.settings), fake, list(fake.tokens), tmp_path / "img", GPU_B)
+    cuda = [p for p in fake.pids_in(new_init) if fake.is_cuda(p)]
+    assert [standin.process_memory(p) for p in cuda] == [{GPU_B: 100 << 20}] * 2
+    assert meta.extra["restore_gpu_remap"] == {GPU_A: GPU_B}
+    assert json.loads((tmp_path / "img" / "gpusnap-restore.json").read_text())["gpu_remap"] == {GPU_A: GPU_B}
+    assert fake.ns_states(new_init) == [R, R] and not fake.illegal_calls()
+
+
+def test_restore_onto_the_same_gpu_given_passes_no_pairs(plan, fake, standin, tmp_path):
+    (standin.state_dir / "gpus.json").write_text(json.dumps([{"uuid": GPU_A}, {"uuid": GPU_B}]))
+    (standin.state_dir / "driver.json").write_text(json.dumps({"remap": False}))  # pairs would be refused
+    init = fake.start_container(n_cuda=1, GPUSNAP_STANDIN_GPU=GPU_A)
+    checkpoint(plan, fake, init, tmp_path / "img", leave_running=False)
+    new_init, meta = restore_given(make_gpu_plan(plan.settings), fake, list(fake.tokens), tmp_path / "img", f"{GPU_A},{GPU_B}")
+    assert "restore_gpu_remap" not in meta.extra and fake.ns_states(new_init) == [R]
+
+
+def test_restore_given_too_few_gpus_is_refused_before_anything_changes(plan, fake, standin, tmp_path):
+    (standin.state_dir / "gpus.json").write_text(json.dumps([{"uuid": GPU_A}, {"uuid": GPU_B}]))
+    init = fake.start_container(n_cuda=1, GPUSNAP_STANDIN_GPU=GPU_A)
+    checkpoint(plan, fake, init, tmp_path / "img", leave_running=False)
+    n_calls = len(fake.calls())
+    with pytest.raises(StepFailed) as info:
+        restore_given(make_gpu_plan(plan.settings), fake, list(fake.tokens), tmp_path / "img", "")
+    assert isinstance(info.value.cause, IncompatibleHostError) and "given no GPUs" in str(info.value)
+    assert len(fake.calls()) == n_calls and len(fake.inits) == 1
+
+
+GPU_C = "GPU-0000cccc-0000-0000-0000-00000000000c"
+
+
+def test_each_process_gets_the_pairs_of_its_own_gpus(plan, fake, standin, tmp_path):
+    """One process on GPU A, one on GPU B; restored given C and B: A's process moves with the pair
+    A->C, B's is restored plainly (the stand-in, like the driver, refuses a pair list that misses
+    the process's GPU: the moved pairs alone would fail B's)."""
+    (standin.state_dir / "gpus.json").write_text(json.dumps([{"uuid": GPU_A}, {"uuid": GPU_B}, {"uuid": GPU_C}]))
+    tokens = ["gs-gpu-on-a", "gs-gpu-on-b"]
+    (standin.state_dir / "procs" / "gs-gpu-on-b.json").write_text(json.dumps({"state": "running", "gpu": GPU_B}))
+    init = fake.start_container(n_cuda=2, tokens=tokens, GPUSNAP_STANDIN_GPU=GPU_A)
+    meta, _ = checkpoint(plan, fake, init, tmp_path / "img", leave_running=False)
+    assert sorted(p.gpu_uuids[0] for p in meta.processes) == sorted([GPU_A, GPU_B])
+    new_init, meta = restore_given(make_gpu_plan(plan.settings), fake, tokens, tmp_path / "img", f"{GPU_C},{GPU_B}")
+    assert meta.extra["restore_gpu_remap"] == {GPU_A: GPU_C, GPU_B: GPU_B}
+    cuda = [p for p in fake.pids_in(new_init) if fake.is_cuda(p)]
+    assert sorted(list(standin.process_memory(p)) for p in cuda) == sorted([[GPU_C], [GPU_B]])
+    assert fake.ns_states(new_init) == [R, R] and not fake.illegal_calls()
