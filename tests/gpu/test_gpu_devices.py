@@ -78,4 +78,7 @@ def test_torch_container_sees_gpu_with_only_nvidia_visible_devices(tmp_path: Pat
     assert result["max_abs_diff"] <= 1e-9 * max(1.0, result["max_abs"]), result
     paths = {d["path"] for d in injected["linux"]["devices"]}
     assert {"/dev/nvidiactl", "/dev/nvidia-uvm"} <= paths and any(p[len("/dev/nvidia"):].isdigit() for p in paths)
-    assert any(m["destination"] == "/usr/local/gpusnap/driver/lib/libcuda.so.1" for m in injected["mounts"])
+    # libcuda reaches the stable path either as the driver's own directory mounted whole (hosts
+    # like the GPU machine, with /usr/local/nvidia/lib64) or as a per-library mount.
+    dests = {m["destination"] for m in injected["mounts"]}
+    assert "/usr/local/gpusnap/driver/lib" in dests or "/usr/local/gpusnap/driver/lib/libcuda.so.1" in dests, dests
