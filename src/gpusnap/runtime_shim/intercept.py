@@ -34,11 +34,12 @@ def spec_steps(inv: Invocation, settings: Settings, cwd: Path) -> list[Step]:
     path = config_path(bundle)
     original = path.read_bytes() if path.is_file() else None
     spec = load_spec(path)
-    validate_spec(spec, path)
+    schema_cache = settings.run_dir / "schema"
+    validate_spec(spec, path, cache_dir=schema_cache)
     ctx = ModifyContext(container_id=inv.container_id, bundle=bundle, command=inv.command, settings=settings)
     result = apply_chain(spec, default_chain(settings), ctx)
     try:
-        validate_spec(result.spec, path, stage="gpusnap's spec modifiers")
+        validate_spec(result.spec, path, stage="gpusnap's spec modifiers", cache_dir=schema_cache)
     except GpusnapError as exc:
         raise GpusnapError(f"{exc} (a gpusnap bug: please report it)", exit_code=ExitCode.FAILURE) from None
     if result.spec == spec:
