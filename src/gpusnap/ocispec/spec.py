@@ -37,12 +37,17 @@ def load_spec(path: Path) -> dict[str, Any]:
     return spec
 
 
-def _problem(name: str, message: str, value: object) -> tuple[str, str]:
+def _problem(name: str, message: str, value: object, rule: object = None, definition: object = None) -> tuple[str, str]:
     """("process.env[0]", "must match pattern ^[^=]+= (got 'X')") from a validator's error,
     whose name is the JSON path under "data" and whose message repeats that name."""
     where = name[len("data"):].lstrip(".") if name.startswith("data") else name
     problem = message[len(name):].strip() if message.startswith(name) else message
-    if not isinstance(value, (dict, list)):
+    if rule == "required" and isinstance(value, dict) and isinstance(definition, dict):
+        # The validator lists every required name; say which ones are missing.
+        missing = [k for k in definition.get("required") or [] if k not in value]
+        if missing:
+            problem = f"missing required propert{'y' if len(missing) == 1 else 'ies'} {', '.join(repr(k) for k in missing)}"
+    elif not isinstance(value, (dict, list)):
         shown = repr(value)
         problem += f" (got {shown[:60] + '...' if len(shown) > 60 else shown})"
     return where or "(top level)", problem
@@ -60,7 +65,10 @@ def validate_spec(spec: dict[str, Any], path: Path, *, stage: str = "", cache_di
     try:
         validate(spec)
     except violation_types(validate) as error:
-        where, problem = _problem(str(getattr(error, "name", "")), str(getattr(error, "message", error)), getattr(error, "value", None))
+        where, problem = _problem(
+            str(getattr(error, "name", "")), str(getattr(error, "message", error)), getattr(error, "value", None),
+            getattr(error, "rule", None), getattr(error, "definition", None),
+        )
         after = f" after {stage}" if stage else ""
         raise UsageError(f"{path}{after}: {where}: {problem}; {FIX_HINT}") from None
 

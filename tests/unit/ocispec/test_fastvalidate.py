@@ -92,7 +92,11 @@ def test_good_spec_and_top_level_errors(tmp_path: Path) -> None:
     validate_spec(GOOD, tmp_path / "config.json", cache_dir=tmp_path / "cache")
     with pytest.raises(UsageError) as err:
         validate_spec({"root": {"path": "r"}}, tmp_path / "config.json", cache_dir=tmp_path / "cache")
-    assert str(err.value).startswith(f"{tmp_path / 'config.json'}: (top level): must contain ") and "\n" not in str(err.value)
+    assert str(err.value).startswith(f"{tmp_path / 'config.json'}: (top level): missing required property 'ociVersion'; fix") and "\n" not in str(err.value)
+    with pytest.raises(UsageError, match=r": root: missing required property 'path'; fix"):
+        validate_spec({"ociVersion": "1.0.0", "root": {}}, tmp_path / "config.json")
+    with pytest.raises(UsageError, match=r": \(top level\): missing required properties 'ociVersion', 'root'; fix"):
+        validate_spec({}, tmp_path / "config.json")
     with pytest.raises(UsageError, match=r"after gpusnap's spec modifiers: process.env\[0\]: must match pattern \^\[\^=\]\+= \(got 'NOEQ'\); fix"):
         validate_spec({**GOOD, "process": {"cwd": "/", "env": ["NOEQ"]}}, tmp_path / "config.json", stage="gpusnap's spec modifiers")
 
