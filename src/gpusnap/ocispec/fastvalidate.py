@@ -4,7 +4,7 @@ Every container start runs the shim's ``create``, which checks config.json again
 ``schema/config.schema.json`` twice. ``jsonschema`` needs about 50 ms of imports before it can
 check anything, and fastjsonschema's own package about 25 ms, against a budget of a few
 milliseconds. So fastjsonschema turns the schema into Python source *once*; the source is kept
-as ``<cache_dir>/<gpusnap version>/<schema name>_<sha256 of the schema>.py`` (with its .pyc in
+as ``<cache_dir>/<gpusnap version>-<format>/_gpusnap_schema_<name>_<sha256>.py`` (its .pyc in
 ``__pycache__`` beside it), and a later call imports just that file. A changed schema has
 another hash, hence another file; a missing or unusable file is generated again.
 
