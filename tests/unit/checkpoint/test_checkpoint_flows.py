@@ -165,6 +165,8 @@ def _dev_image(img: Path) -> Path:
 
     img.mkdir(exist_ok=True)
     CheckpointMetadata(container_id="c1", created="now").write(img)
+    # The bundle's config.json as the spec modifiers wrote it (the flow may read it back there).
+    (img.parent / "config.json").write_text(json.dumps(RESTORE_SPEC))
     dev = img / "tmpfs-dev-46.tar.gz.img"
     dev_image(dev, {"nvidiactl": (195, 255), "nvidia-uvm": (237, 0), "null": (1, 3)})
     return dev
