@@ -160,7 +160,7 @@ RESTORE_SPEC = {
 }
 
 
-def _dev_image(img: Path) -> Path:
+def _checkpoint_with_dev_image(img: Path) -> Path:
     from tests.unit.gpu.test_gpu_devnodes import dev_image
 
     img.mkdir(exist_ok=True)
@@ -177,7 +177,7 @@ def test_restore_retargets_dev_image_and_passes_criu_env(rig, tmp_path: Path) ->
     from tests.unit.gpu.test_gpu_devnodes import read_nodes
 
     settings, call, log, _ = rig
-    dev = _dev_image(tmp_path / "img")
+    dev = _checkpoint_with_dev_image(tmp_path / "img")
     events: list[str] = []
     (tmp_path / "gone").touch()
     assert restore(call(["restore", "-d", "--image-path", "img", "c1"], KFD_FW_VER_CHECK="1"), settings, [], RecordingPlan(events), spec=RESTORE_SPEC) == 0
@@ -188,7 +188,7 @@ def test_restore_retargets_dev_image_and_passes_criu_env(rig, tmp_path: Path) ->
 
 def test_failed_restore_puts_dev_image_back(rig, tmp_path: Path) -> None:
     settings, call, log, _ = rig
-    dev = _dev_image(tmp_path / "img")
+    dev = _checkpoint_with_dev_image(tmp_path / "img")
     before = dev.read_bytes()
     with pytest.raises(StepFailed) as err:
         restore(call(["restore", "-d", "--image-path", "img", "c1"], FAKE_RC="5"), settings, [], RecordingPlan([]), spec=RESTORE_SPEC)
