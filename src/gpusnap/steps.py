@@ -14,9 +14,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpusnap.errors import ExitCode, GpusnapError
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (2 ms on every create)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 @dataclass

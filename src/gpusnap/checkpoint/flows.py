@@ -28,7 +28,7 @@ from gpusnap.checkpoint.container import container_ref, env_with_path, fill_ref,
 from gpusnap.config import Settings
 from gpusnap.criu.config import TCP_ESTABLISHED_ANNOTATION
 from gpusnap.criu.locate import CriuInfo, find_criu
-from gpusnap.errors import ExitCode, GpusnapError, RestoreError
+from gpusnap.errors import ExitCode, GpusnapError, RestoreError, UsageError
 from gpusnap.gpu.base import ContainerRef, GpuPlan
 from gpusnap.gpu.devnodes import retarget_step
 from gpusnap.gpu.plan import make_gpu_plan
@@ -108,6 +108,7 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
     image_dir = call.image_dir()
     meta = new_metadata(call, settings, criu, ref)
     args, env = call.criu_args_env(criu)
+    env = {**env, **criu_env(ref.annotations)}
 
     def dump() -> None:
         rc = run_runc(call.runc, args, env=env).returncode
@@ -155,8 +156,29 @@ def marker_step(marker: Path) -> Step:
     return Step("restore marker", create, lambda: marker.unlink(missing_ok=True))
 
 
-def restore(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan | None = None) -> int:
-    """``runc restore`` (detached or foreground) with the GPU plan around it."""
+def criu_env(annotations: Mapping[str, str]) -> dict[str, str]:
+    """What the container's ``gpusnap.io/criu-env`` annotation adds to the environment runc
+    (and so CRIU, whose amdgpu plugin reads KFD_*) runs with. Only KFD_* names: any other would
+    let a container's annotations change how runc, as root, runs (LD_PRELOAD, PATH)."""
+    from gpusnap.ocispec.gpu_modifiers import ANN_CRIU_ENV, criu_settings_from_annotations
+
+    if not annotations.get(ANN_CRIU_ENV):
+        return {}
+    _, env = criu_settings_from_annotations(annotations)
+    bad = sorted(k for k in env if not (k.startswith("KFD_") and k.replace("_", "").isalnum()))
+    if bad:
+        raise UsageError(f"annotation {ANN_CRIU_ENV} may set only KFD_* variables, not {', '.join(bad)}; remove them from it")
+    return env
+
+
+def restore(
+    call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan | None = None, *, spec: dict[str, object] | None = None
+) -> int:
+    """``runc restore`` (detached or foreground) with the GPU plan around it.
+
+    ``spec`` is the bundle's config.json as the spec modifiers left it: its GPU device numbers
+    are written into CRIU's /dev image (gpusnap.gpu.devnodes) and its ``gpusnap.io/criu-env``
+    joins runc's environment."""
     criu = find_criu(settings)
     plan = make_gpu_plan(settings) if plan is None else plan
     image_dir = call.image_dir()
@@ -167,6 +189,8 @@ def restore(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: Gp
     bundle = (call.cwd / (call.inv.value("bundle") or ".")).absolute()
     ref = ContainerRef(container_id=call.container_id, init_pid=0, bundle=bundle)
     args, env = call.criu_args_env(criu)
+    annotations = (spec or {}).get("annotations")
+    env = {**env, **criu_env(annotations if isinstance(annotations, dict) else {})}
     marker = restore_marker(settings, call.container_id)
     restored_spec: dict[str, Any] = {}
 

@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 from gpusnap.errors import NotFoundError, UsageError
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: create pays for every import
+if TYPE_CHECKING:
+    from typing import Any
+
 SCHEMA_FILE = Path(__file__).with_name("schema") / "config.schema.json"
 FIX_HINT = "fix the bundle's config.json (see the OCI runtime spec)"
-
-
-@lru_cache(maxsize=1)
-def _validator() -> Any:
-    import jsonschema
-
-    schema = json.loads(SCHEMA_FILE.read_text())
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)
-    return cls(schema)
 
 
 def config_path(bundle: Path) -> Path:
@@ -45,22 +37,40 @@ def load_spec(path: Path) -> dict[str, Any]:
     return spec
 
 
-def _where(error: Any) -> str:
-    parts = []
-    for part in error.absolute_path:
-        parts.append(f"[{part}]" if isinstance(part, int) else (f".{part}" if parts else str(part)))
-    return "".join(parts) or "(top level)"
+def _problem(name: str, message: str, value: object, rule: object = None, definition: object = None) -> tuple[str, str]:
+    """("process.env[0]", "must match pattern ^[^=]+= (got 'X')") from a validator's error,
+    whose name is the JSON path under "data" and whose message repeats that name."""
+    where = name[len("data"):].lstrip(".") if name.startswith("data") else name
+    problem = message[len(name):].strip() if message.startswith(name) else message
+    if rule == "required" and isinstance(value, dict) and isinstance(definition, dict):
+        # The validator lists every required name; say which ones are missing.
+        missing = [k for k in definition.get("required") or [] if k not in value]
+        if missing:
+            problem = f"missing required propert{'y' if len(missing) == 1 else 'ies'} {', '.join(repr(k) for k in missing)}"
+    elif not isinstance(value, (dict, list)):
+        shown = repr(value)
+        problem += f" (got {shown[:60] + '...' if len(shown) > 60 else shown})"
+    return where or "(top level)", problem
 
 
-def validate_spec(spec: dict[str, Any], path: Path, *, stage: str = "") -> None:
-    """Raise UsageError naming the file, the JSON path and the problem, if ``spec`` breaks the schema."""
-    import jsonschema
+def validate_spec(spec: dict[str, Any], path: Path, *, stage: str = "", cache_dir: Path | None = None) -> None:
+    """Raise UsageError naming the file, the JSON path and the problem, if ``spec`` breaks the schema.
 
-    error = jsonschema.exceptions.best_match(_validator().iter_errors(spec))
-    if error is None:
-        return
-    after = f" after {stage}" if stage else ""
-    raise UsageError(f"{path}{after}: {_where(error)}: {error.message}; {FIX_HINT}")
+    The schema is compiled to a Python module (gpusnap.ocispec.fastvalidate), kept under
+    ``cache_dir`` when given (the shim uses ``<run_dir>/schema``) so a create imports only that.
+    """
+    from gpusnap.ocispec.fastvalidate import compiled_validator, violation_types
+
+    validate = compiled_validator(SCHEMA_FILE, cache_dir)
+    try:
+        validate(spec)
+    except violation_types(validate) as error:
+        where, problem = _problem(
+            str(getattr(error, "name", "")), str(getattr(error, "message", error)), getattr(error, "value", None),
+            getattr(error, "rule", None), getattr(error, "definition", None),
+        )
+        after = f" after {stage}" if stage else ""
+        raise UsageError(f"{path}{after}: {where}: {problem}; {FIX_HINT}") from None
 
 
 def save_spec(path: Path, spec: dict[str, Any]) -> None:

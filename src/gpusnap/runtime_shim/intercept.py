@@ -22,6 +22,10 @@ from gpusnap.runc import exec_runc, run_runc
 from gpusnap.runtime_shim.argv import Invocation
 from gpusnap.steps import Step, StepFailed, run_steps
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (create pays for imports)
+if TYPE_CHECKING:
+    from typing import Any
+
 
 def spec_steps(inv: Invocation, settings: Settings, cwd: Path) -> list[Step]:
     """Validate the bundle's config.json, run the modifier chain, validate the result.
@@ -29,26 +33,32 @@ def spec_steps(inv: Invocation, settings: Settings, cwd: Path) -> list[Step]:
     Returns the steps that apply it (host files, then config.json itself, each with its undo);
     nothing on disk changes until those steps run.
     """
+    return spec_plan(inv, settings, cwd)[0]
+
+
+def spec_plan(inv: Invocation, settings: Settings, cwd: Path) -> tuple[list[Step], dict[str, Any]]:
+    """:func:`spec_steps` and the modified spec they write (a restore needs its device numbers)."""
     assert inv.command is not None and inv.container_id is not None
     bundle = (cwd / (inv.value("bundle") or ".")).absolute()
     path = config_path(bundle)
     original = path.read_bytes() if path.is_file() else None
     spec = load_spec(path)
-    validate_spec(spec, path)
+    schema_cache = settings.run_dir / "schema"
+    validate_spec(spec, path, cache_dir=schema_cache)
     ctx = ModifyContext(container_id=inv.container_id, bundle=bundle, command=inv.command, settings=settings)
     result = apply_chain(spec, default_chain(settings), ctx)
     try:
-        validate_spec(result.spec, path, stage="gpusnap's spec modifiers")
+        validate_spec(result.spec, path, stage="gpusnap's spec modifiers", cache_dir=schema_cache)
     except GpusnapError as exc:
         raise GpusnapError(f"{exc} (a gpusnap bug: please report it)", exit_code=ExitCode.FAILURE) from None
     if result.spec == spec:
-        return result.steps
+        return result.steps, result.spec
 
     def put_back() -> None:
         if original is not None:
             path.write_bytes(original)
 
-    return [*result.steps, Step(f"write {path}", lambda: save_spec(path, result.spec), put_back)]
+    return [*result.steps, Step(f"write {path}", lambda: save_spec(path, result.spec), put_back)], result.spec
 
 
 def create_or_run(inv: Invocation, runc: str, env: Mapping[str, str], settings: Settings) -> int:
@@ -111,7 +121,8 @@ def dispatch(inv: Invocation, runc: str, env: Mapping[str, str]) -> int:
         if command == "checkpoint":
             return checkpoint(call, settings)
         if command == "restore":
-            return restore(call, settings, spec_steps(inv, settings, call.cwd))
+            steps, spec = spec_plan(inv, settings, call.cwd)
+            return restore(call, settings, steps, spec=spec)
     except StepFailed as exc:
         default = ExitCode.CHECKPOINT_FAILED if command == "checkpoint" else ExitCode.RESTORE_FAILED
         code = failure_exit_code(exc, default)

@@ -28,14 +28,22 @@ from devstack import (
     unique,
 )
 
-from gpusnap.config import load_settings
-from gpusnap.gpu.devnodes import retarget_step
-from gpusnap.ocispec.gpu_modifiers import GpuInjection
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root and the real container stack (sudo bash tests/run.sh)"),
 ]
+
+
+def _dev_image_nodes(images: Path) -> dict[str, tuple[int, int]]:
+    """Character devices in CRIU's /dev tmpfs image: name (without ./) -> (major, minor)."""
+    import tarfile
+
+    nodes: dict[str, tuple[int, int]] = {}
+    for image in images.glob("tmpfs-dev-*.tar.gz.img"):  # /dev, and tmpfs mounts below it
+        with tarfile.open(image, "r:gz") as tar:
+            nodes.update({m.name.removeprefix("./"): (m.devmajor, m.devminor) for m in tar.getmembers() if m.ischr()})
+    return nodes
 
 
 @pytest.fixture
@@ -152,11 +160,9 @@ def test_runc_checkpoint_restore_keeps_devices(tmp_path: Path, gpu_shim: GpuShim
 
 def test_restore_on_a_host_with_another_driver_and_uvm_major(tmp_path: Path) -> None:
     """Checkpoint under driver 580 (UVM major 237), restore under driver 590 (UVM major 240): the
-    restored container finds the new host's libraries behind the same stable path, and, once
-    gpusnap.gpu.devnodes.retarget_step has run on the images, the new host's device numbers.
-
-    The test runs that step itself first, on the real CRIU images, with the spec the shim's chain
-    gives at restore (the shim's restore then finds nothing left to change)."""
+    restored container finds the new host's libraries behind the same stable path and the new
+    host's device numbers: the shim's restore flow rewrites CRIU's /dev image
+    (gpusnap.gpu.devnodes.retarget_step) between its spec modifiers and runc restore."""
     old = make_gpu_shim(tmp_path / "shim", "gs-dev-rt-old", host="host-old")
     new = make_gpu_shim(tmp_path / "shim", "gs-dev-rt-new", host="host-new", driver_version="590.10.02", uvm_major=240)
     b = make_bundle(tmp_path, ["sh", "-c", "while true; do sleep 0.2; done"], ["NVIDIA_VISIBLE_DEVICES=all"])
@@ -176,13 +182,13 @@ def test_restore_on_a_host_with_another_driver_and_uvm_major(tmp_path: Path) -> 
         detached(old, ["--root", str(b.root), "run", "-d", "--bundle", str(b.path), cid])
         assert_sees_injection(parse_probe(run([RUNC, "--root", str(b.root), "exec", cid, "sh", "-c", PROBE]).stdout), old, None)
         run([str(old.wrapper), "--root", str(b.root), "checkpoint", "--image-path", str(images), cid], env=old.env())
-        refreshed = GpuInjection(load_settings(new.settings_env())).modify(b.config())
-        changes = retarget_step(images, refreshed).do()
-        assert sorted(c.path for c in changes) == ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+        assert _dev_image_nodes(images)["nvidia-uvm"][0] == 237  # as CRIU dumped it
         detached(new, ["--root", str(b.root), "restore", "-d", "--image-path", str(images), "--bundle", str(b.path), cid])
         after = parse_probe(run([RUNC, "--root", str(b.root), "exec", cid, "sh", "-c", PROBE]).stdout)
         assert after.nodes == expected_nodes(new.tree, None)
         assert after.nodes["/dev/nvidia-uvm"][0] == 240
+        uvm = {name: nums for name, nums in _dev_image_nodes(images).items() if name.startswith("nvidia-uvm")}
+        assert uvm == {"nvidia-uvm": (240, 0), "nvidia-uvm-tools": (240, 1)}  # the flow rewrote the image
         assert after.libs == expected_libs(new.tree)
         assert after.libs[f"{STABLE}lib/libcuda.so.1"] == "fake libcuda.so 590.10.02"
     finally:

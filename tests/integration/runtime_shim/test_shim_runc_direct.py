@@ -105,3 +105,63 @@ def test_preserved_fds_and_signals_reach_the_container(shim: Shim, data_dir: Pat
             if proc.poll() is None:
                 proc.kill()
     assert results["shim"] == results["runc"] == ("via-fd3\n", b"ready\n", 7)
+
+
+def test_criu_env_annotation_reaches_criu_at_checkpoint_and_restore(shim: Shim, data_dir: Path, tmp_path: Path) -> None:
+    """KFD_* from gpusnap.io/criu-env are in the environment of the CRIU that runc starts (the
+    amdgpu plugin reads them there); a CRIU wrapper records what it was given."""
+    import shutil
+
+    real_criu = shutil.which("criu", path=shim.env()["PATH"])
+    assert real_criu is not None
+    seen = tmp_path / "criu-env"
+    seen.mkdir()
+    wrapper = tmp_path / "criu-bin" / "criu"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = swrk ] && env | grep "^KFD_" | sort > {seen}/$$\nexec {real_criu} "$@"\n')
+    wrapper.chmod(0o755)
+    bundle = make_bundle(tmp_path, ["sh", "-c", COUNTER], data_dir)
+    spec = json.loads((bundle.path / "config.json").read_text())
+    spec.setdefault("annotations", {})["gpusnap.io/criu-env"] = json.dumps({"KFD_FW_VER_CHECK": "0", "KFD_NUMA_CHECK": "0"})
+    (bundle.path / "config.json").write_text(json.dumps(spec))
+    cid = unique("kfd")
+    rt = [str(shim.wrapper), "--root", str(bundle.root)]
+    env = {**shim.env(), "GPUSNAP_CRIU": str(wrapper)}
+    pipes = [Pipes()]
+    try:
+        subprocess.run([*rt, "run", "-d", "--bundle", str(bundle.path), cid], check=True, env=env, **pipes[-1].kwargs())
+        wait_counting(data_dir, above=2)
+        images = tmp_path / "images"
+        run([*rt, "checkpoint", "--image-path", str(images), cid], env=env)
+        at_checkpoint = counter_values(data_dir)[-1]
+        dumps = {p.read_text() for p in seen.iterdir()}
+        assert dumps == {"KFD_FW_VER_CHECK=0\nKFD_NUMA_CHECK=0\n"}
+        for p in seen.iterdir():
+            p.unlink()
+        pipes.append(Pipes())
+        subprocess.run([*rt, "restore", "-d", "--bundle", str(bundle.path), "--image-path", str(images), cid], check=True, env=env, **pipes[-1].kwargs())
+        assert_resumed(data_dir, at_checkpoint)
+        assert {p.read_text() for p in seen.iterdir()} == {"KFD_FW_VER_CHECK=0\nKFD_NUMA_CHECK=0\n"}
+    finally:
+        run([RUNC, "--root", str(bundle.root), "delete", "--force", cid], check=False)
+        for p in pipes:
+            p.close()
+
+
+def test_criu_env_annotation_with_other_names_is_refused(shim: Shim, data_dir: Path, tmp_path: Path) -> None:
+    """An annotation that would set LD_PRELOAD for runc and CRIU: exit 2, the container keeps running."""
+    bundle = make_bundle(tmp_path, ["sh", "-c", COUNTER], data_dir)
+    spec = json.loads((bundle.path / "config.json").read_text())
+    spec.setdefault("annotations", {})["gpusnap.io/criu-env"] = json.dumps({"LD_PRELOAD": "/tmp/evil.so"})
+    (bundle.path / "config.json").write_text(json.dumps(spec))
+    cid = unique("kfdbad")
+    rt = [str(shim.wrapper), "--root", str(bundle.root)]
+    pipes = Pipes()
+    try:
+        subprocess.run([*rt, "run", "-d", "--bundle", str(bundle.path), cid], check=True, env=shim.env(), **pipes.kwargs())
+        proc = run([*rt, "checkpoint", "--image-path", str(tmp_path / "images"), cid], check=False, env=shim.env())
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "may set only KFD_*" in proc.stderr, proc.stderr
+        assert json.loads(run([RUNC, "--root", str(bundle.root), "state", cid]).stdout)["status"] == "running"
+    finally:
+        run([RUNC, "--root", str(bundle.root), "delete", "--force", cid], check=False)
+        pipes.close()

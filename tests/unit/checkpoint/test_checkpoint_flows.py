@@ -23,9 +23,9 @@ FAKE_RUNC = """#!/bin/sh
 echo "$* PATH=$PATH" >> {log}
 case " $* " in
   *" --version "*) echo "runc version 9.9.9";;
-  *" state "*) [ -e {tmp}/gone ] && exit 1; echo '{{"id":"c1","status":"running","pid":4242,"bundle":"{tmp}","annotations":{{}}}}';;
-  *" checkpoint "*) [ -n "$FAKE_RC" ] && {{ echo "runc: checkpoint failed" >&2; exit $FAKE_RC; }}; touch {tmp}/gone;;
-  *" restore "*) [ -e {run}/restoring/c1 ] && echo marker-present >> {log}; [ -n "$FAKE_RC" ] && exit $FAKE_RC; rm -f {tmp}/gone;;
+  *" state "*) [ -e {tmp}/gone ] && exit 1; echo '{{"id":"c1","status":"running","pid":4242,"bundle":"{tmp}","annotations":'"$(cat {tmp}/annotations.json 2>/dev/null || echo '{{}}')"'}}';;
+  *" checkpoint "*) env | grep '^KFD_' | sort > {tmp}/criu-env.checkpoint; [ -n "$FAKE_RC" ] && {{ echo "runc: checkpoint failed" >&2; exit $FAKE_RC; }}; touch {tmp}/gone;;
+  *" restore "*) env | grep '^KFD_' | sort > {tmp}/criu-env.restore; [ -e {run}/restoring/c1 ] && echo marker-present >> {log}; [ -n "$FAKE_RC" ] && exit $FAKE_RC; rm -f {tmp}/gone;;
   *" delete "*) touch {tmp}/gone;;
 esac
 """
@@ -211,3 +211,75 @@ def test_restore_gives_the_plan_the_restored_gpus_and_retargets_dev_nodes(rig, t
     assert events == ["gpu host check meta=True gpus=GPU-b", "gpu restore pid 4242"]
     assert seen["at spec"] == {"./nvidiactl": (195, 255), "./nvidia0": (195, 0), "./null": (1, 3)}
     assert _dev_nodes(dev) == {"./nvidiactl": (195, 255), "./null": (1, 3), "./nvidia1": (195, 1)}
+# ---- the restore flow's device retargeting and CRIU environment -----------------------------
+
+RESTORE_SPEC = {
+    "ociVersion": "1.0.2",
+    "root": {"path": "rootfs"},
+    "annotations": {"gpusnap.io/criu-env": '{"KFD_FW_VER_CHECK":"0","KFD_NUMA_CHECK":"0"}'},
+    "linux": {"devices": [{"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255}, {"path": "/dev/nvidia-uvm", "type": "c", "major": 240, "minor": 0}]},
+}
+
+
+def _checkpoint_with_dev_image(img: Path) -> Path:
+    from tests.unit.gpu.test_gpu_devnodes import dev_image
+
+    img.mkdir(exist_ok=True)
+    CheckpointMetadata(container_id="c1", created="now").write(img)
+    # The bundle's config.json as the spec modifiers wrote it (the flow may read it back there).
+    (img.parent / "config.json").write_text(json.dumps(RESTORE_SPEC))
+    dev = img / "tmpfs-dev-46.tar.gz.img"
+    dev_image(dev, {"nvidiactl": (195, 255), "nvidia-uvm": (237, 0), "null": (1, 3)})
+    return dev
+
+
+def test_restore_retargets_dev_image_and_passes_criu_env(rig, tmp_path: Path) -> None:
+    """The refreshed spec's numbers reach CRIU's /dev image before runc restore; KFD_* reach runc."""
+    from tests.unit.gpu.test_gpu_devnodes import read_nodes
+
+    settings, call, log, _ = rig
+    dev = _checkpoint_with_dev_image(tmp_path / "img")
+    events: list[str] = []
+    (tmp_path / "gone").touch()
+    assert restore(call(["restore", "-d", "--image-path", "img", "c1"], KFD_FW_VER_CHECK="1"), settings, [], RecordingPlan(events), spec=RESTORE_SPEC) == 0
+    assert read_nodes(dev) == {"./nvidiactl": (195, 255), "./nvidia-uvm": (240, 0), "./null": (1, 3)}
+    # The annotation (worked out at restore from this host and the container) wins over the caller's.
+    assert (tmp_path / "criu-env.restore").read_text().split() == ["KFD_FW_VER_CHECK=0", "KFD_NUMA_CHECK=0"]
+
+
+def test_failed_restore_puts_dev_image_back(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    dev = _checkpoint_with_dev_image(tmp_path / "img")
+    before = dev.read_bytes()
+    with pytest.raises(StepFailed) as err:
+        restore(call(["restore", "-d", "--image-path", "img", "c1"], FAKE_RC="5"), settings, [], RecordingPlan([]), spec=RESTORE_SPEC)
+    assert failure_exit_code(err.value, ExitCode.RESTORE_FAILED) == 5
+    assert "retarget GPU device nodes" in " ".join(err.value.undone)
+    assert dev.read_bytes() == before
+
+
+def test_checkpoint_passes_criu_env_from_container_annotations(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    (tmp_path / "annotations.json").write_text(json.dumps({"gpusnap.io/criu-env": '{"KFD_CAPABILITY_CHECK":"0"}'}))
+    assert checkpoint(call(["checkpoint", "--image-path", "img", "c1"]), settings, RecordingPlan([])) == 0
+    assert (tmp_path / "criu-env.checkpoint").read_text().split() == ["KFD_CAPABILITY_CHECK=0"]
+    # Without the annotation runc gets no KFD_* of ours.
+    (tmp_path / "annotations.json").unlink()
+    (tmp_path / "gone").unlink()
+    assert checkpoint(call(["checkpoint", "--image-path", "img2", "c1"]), settings, RecordingPlan([])) == 0
+    assert (tmp_path / "criu-env.checkpoint").read_text() == ""
+
+
+@pytest.mark.parametrize("raw", ['{"LD_PRELOAD":"/tmp/x.so"}', '{"KFD_X;rm":"1"}', "not json"])
+def test_criu_env_annotation_other_than_kfd_is_refused(rig, tmp_path: Path, raw: str) -> None:
+    from gpusnap.errors import UsageError
+
+    settings, call, log, _ = rig
+    (tmp_path / "annotations.json").write_text(json.dumps({"gpusnap.io/criu-env": raw}))
+    events: list[str] = []
+    with pytest.raises(UsageError, match="gpusnap.io/criu-env"):
+        checkpoint(call(["checkpoint", "c1"]), settings, RecordingPlan(events))
+    assert events == [] and " checkpoint " not in f" {log.read_text()} "
+    with pytest.raises(UsageError, match="gpusnap.io/criu-env"):
+        restore(call(["restore", "-d", "c1"]), settings, [], RecordingPlan(events), spec={"annotations": {"gpusnap.io/criu-env": raw}})
+    assert " restore " not in f" {log.read_text()} "

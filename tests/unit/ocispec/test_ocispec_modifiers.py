@@ -65,3 +65,25 @@ def test_chain_order_and_steps(tmp_path: Path) -> None:
     assert result.spec["order"] == ["a", "b"]
     run_steps(result.steps)
     assert calls == ["a", "b"]
+
+
+def test_gpu_precheck_matches_selection() -> None:
+    """The chain's cheap check names what gpusnap.gpu.selection reads, and agrees with it."""
+    from gpusnap.gpu import selection
+    from gpusnap.ocispec import gpu_modifiers, modifiers
+
+    assert modifiers.GPU_REQUEST_ANNOTATION == selection.ANNOTATION
+    assert set(modifiers.GPU_REQUEST_ENV) == {selection.ENV_GPUSNAP, selection.ENV_NVIDIA, selection.ENV_AMD}
+    assert modifiers.GPU_INJECTED_ANNOTATION == gpu_modifiers.ANN_ASSIGNED
+    specs: list[dict[str, Any]] = [
+        {},
+        {"process": {"env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=all"]}},
+        {"process": {"env": ["AMD_VISIBLE_DEVICES="]}},
+        {"process": {"env": ["NVIDIA_VISIBLE_DEVICESX=1", "XNVIDIA_VISIBLE_DEVICES=1"]}},
+        {"annotations": {"gpusnap.io/gpus": "0"}},
+        {"annotations": {"gpusnap.io/gpusx": "0"}, "process": {"env": None}},
+    ]
+    for spec in specs:
+        assert modifiers.asks_for_gpus(spec) == (selection.find_request(spec) is not None), spec
+    # A spec injected earlier is refreshed even if its request is gone (the modifier decides).
+    assert modifiers.asks_for_gpus({"annotations": {"gpusnap.io/assigned-gpus": "GPU-1"}})
