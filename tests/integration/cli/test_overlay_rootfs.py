@@ -105,6 +105,25 @@ def test_overlay_rootfs_python_checkpoint_restore_continues(overlay_gs: Gs, tmp_
     assert mounts_under(gs.root) == []
 
 
+def test_overlay_rootfs_through_the_local_store(overlay_gs: Gs) -> None:
+    """The demo's path: checkpoint into the store, delete, restore from the reference."""
+    gs = overlay_gs
+    name = unique("ovs")
+    gs("run", name, "--rootfs-overlay", "/", "--", PYTHON, "-c", WORKLOAD)
+    wait_steps(gs, name, 2)
+    ref = json.loads(gs("checkpoint", name, "--json").stdout)["ref"]
+    stopped = max(steps(gs("logs", name).stdout))
+    gs("delete", name)
+    gs("restore", ref, "--name", name + "-r")
+    after = wait_steps(gs, name + "-r", 2)
+    assert min(after) == stopped + 1
+    ref_values = expected(max(after))
+    assert {k: ref_values[k] for k in after} == after
+    gs("delete", name + "-r")
+    gs("rm", ref)
+    assert mounts_under(gs.root) == []
+
+
 def test_rootfs_and_overlay_exclude_each_other(overlay_gs: Gs, tmp_path: Path) -> None:
     proc = overlay_gs("run", unique("ovl"), "--rootfs", str(tmp_path), "--rootfs-overlay", "/", "--", "true", check=False)
     assert proc.returncode == 2 and "exclude each other" in proc.stderr
