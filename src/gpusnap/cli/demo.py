@@ -145,6 +145,9 @@ while True:
     if pause:
         time.sleep(pause)
 """
+# All the container asks for: gpusnap-runtime injects the device nodes, driver libraries and
+# CRIU config, as for any container started with the NVIDIA Container Toolkit's variable.
+GPU_REQUEST = "NVIDIA_VISIBLE_DEVICES=all"
 GPU_GIB = 1.0
 GPU_EVERY = 10
 GPU_PAUSE = 0.05
@@ -194,14 +197,14 @@ def require_torch(python: str) -> None:
     """The workload's interpreter must exist and import torch: checked before anything starts."""
     exe = shutil.which(python)
     if exe is None:
-        raise MissingDependencyError(f"Python interpreter {python} not found; pass --python PATH to one that has PyTorch with CUDA")
+        raise MissingDependencyError(f"Python interpreter {python} not found; pass --python PATH to one that has PyTorch with CUDA, or --no-gpu for the CPU demo")
     try:
         proc = subprocess.run([exe, "-c", "import torch"], capture_output=True, text=True, timeout=120, check=False)
     except subprocess.TimeoutExpired:
         raise MissingDependencyError(f"{exe} took over 120 s to import torch; check that interpreter or pass --python PATH") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["import failed"])[-1]
-        raise MissingDependencyError(f"{exe} cannot import torch ({last}); install PyTorch with CUDA there or pass --python PATH to an interpreter that has it")
+        raise MissingDependencyError(f"{exe} cannot import torch ({last}); install PyTorch with CUDA there, pass --python PATH to an interpreter that has it, or --no-gpu for the CPU demo")
 
 
 def parse_steps(text: str) -> dict[int, int]:
@@ -296,7 +299,7 @@ def run_gpu_demo(settings: Settings, name: str, keep: bool, say: Callable[[str],
     try:
         flows.packaging_api()  # the GPU demo goes through the local store, as users would
         say(f"1/6 starting {name}: a CUDA workload holding {params.gib:g} GiB on the GPU (runc-direct, overlay of {params.lower}, NVIDIA_VISIBLE_DEVICES=all)")
-        env = [f"{k}={v}" for k, v in _workload_env(params).items()] + ["NVIDIA_VISIBLE_DEVICES=all", "HOME=/root"]
+        env = [f"{k}={v}" for k, v in _workload_env(params).items()] + [GPU_REQUEST, "HOME=/root"]
         info = engine.run(name, [params.python, "-c", CUDA_WORKLOAD], rootfs_overlay=params.lower, env=env)
         seen = _wait_for_steps(engine, info, 3, params.ready_timeout)
         say("    it computes: " + ", ".join(f"step {s} → {seen[s]}" for s in sorted(seen)[-2:]))
@@ -309,7 +312,8 @@ def run_gpu_demo(settings: Settings, name: str, keep: bool, say: Callable[[str],
         gpu_mem = sum(p.gpu_memory_bytes for p in meta.processes)
         t = gpu_timings(meta.timings_s)
         say(f"    {human_size(outcome.size)} stored; GPU memory saved: {human_size(gpu_mem)}")
-        say("    " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}s" for k, v in t.items()))
+        labels = {"lock": "lock", "gpu_to_host": "GPU→host", "criu_dump": "CRIU dump", "total": "checkpoint total"}
+        say("    " + ", ".join(f"{labels[k]} {v:.2f}s" for k, v in t.items()))
         before = parse_steps(_settled_log(engine, info))
         stopped_at = max(before)
         say(f"    the workload stopped after step {stopped_at}")
