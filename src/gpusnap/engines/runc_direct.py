@@ -9,7 +9,8 @@ helper (see :mod:`gpusnap.engines.logcopy`): CRIU cannot dump host files the con
 and runc reconnects external pipes at restore.
 
 Its checkpoint form is ``criu-dir``: the CRIU images plus ``runc-direct.json`` (the bundle's
-config.json and where its root filesystem came from), enough to rebuild the bundle elsewhere.
+config.json and where its root filesystem came from), enough to rebuild the bundle elsewhere,
+and for an overlay root ``rootfs-upper.tar``, its writable layer.
 """
 
 from __future__ import annotations
