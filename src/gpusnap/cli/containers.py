@@ -19,6 +19,7 @@ def register(app: typer.Typer) -> None:
         name: Annotated[str, typer.Argument(help="Name of the new container.")],
         command: Annotated[list[str], typer.Argument(help="Program and arguments (put `--` before them).")],
         rootfs: Annotated[str, typer.Option("--rootfs", help="Root filesystem directory; default: a static busybox tree.")] = BUSYBOX_ROOTFS,
+        rootfs_overlay: Annotated[Optional[str], typer.Option("--rootfs-overlay", help="Run on an overlay of this directory (read-only lower, e.g. /) with a private writable layer, instead of --rootfs.")] = None,
         network: Annotated[str, typer.Option("--network", help="none (loopback only) or bridge.")] = "none",
         env: Annotated[Optional[list[str]], typer.Option("--env", "-E", help="KEY=VALUE, repeatable.")] = None,
         publish: Annotated[Optional[list[str]], typer.Option("--publish", "-p", help="HOST:CONTAINER[/tcp|udp] with --network bridge, repeatable.")] = None,
@@ -31,7 +32,7 @@ def register(app: typer.Typer) -> None:
         require_root("gpusnap run")
         c = get_ctx(ctx)
         argv = list(command)[1:] if command and command[0] == "--" else list(command)
-        info = RuncDirectEngine(c.settings).run(name, argv, rootfs=rootfs, network=network, env=env or [], publish=publish or [], ip=ip)
+        info = RuncDirectEngine(c.settings).run(name, argv, rootfs=rootfs, network=network, env=env or [], publish=publish or [], ip=ip, rootfs_overlay=rootfs_overlay)
         if as_json:
             c.out.json(info.to_dict())
         else:

@@ -2,13 +2,15 @@
 
 It writes an OCI bundle per container under ``<run_dir>/engine/containers/<name>/`` and drives
 ``gpusnap-runtime`` (or the real runc when the shim is not installed) with its own state root
-``<run_dir>/engine/runc``. The root filesystem is a directory the user names or, by default, a
-fresh static busybox tree. Container stdio are pipes copied into ``container.log`` by a small
+``<run_dir>/engine/runc``. The root filesystem is a directory the user names, an overlay over a
+read-only lower directory (``rootfs_overlay``, e.g. ``/``: the host's own programs, such as a
+Python with PyTorch, without building an image), or by default a fresh static busybox tree. Container stdio are pipes copied into ``container.log`` by a small
 helper (see :mod:`gpusnap.engines.logcopy`): CRIU cannot dump host files the container opened,
 and runc reconnects external pipes at restore.
 
 Its checkpoint form is ``criu-dir``: the CRIU images plus ``runc-direct.json`` (the bundle's
-config.json and where its root filesystem came from), enough to rebuild the bundle elsewhere.
+config.json and where its root filesystem came from), enough to rebuild the bundle elsewhere,
+and for an overlay root ``rootfs-upper.tar``, its writable layer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +52,8 @@ from gpusnap.steps import Step, run_steps
 NAME = "runc-direct"
 BUNDLE_RECORD = "runc-direct.json"
 BUSYBOX_ROOTFS = "busybox"  # the default root filesystem: a static busybox tree
+OVERLAY_ROOTFS = "overlay"  # an overlay over RuncDirectRecord.overlay_lower (see mount_overlay)
+UPPER_ARCHIVE = "rootfs-upper.tar"  # an overlay container's writable layer, in its checkpoint
 NETWORK_MODES = ("none", "bridge")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
@@ -61,7 +66,7 @@ class RuncDirectRecord:
 
     name: str
     command: list[str]
-    rootfs: str  # "busybox" or an absolute directory
+    rootfs: str  # "busybox", "overlay" (over overlay_lower) or an absolute directory
     network: str = "none"
     env: list[str] = field(default_factory=list)
     created: str = ""
@@ -71,6 +76,7 @@ class RuncDirectRecord:
     publish: list[str] = field(default_factory=list)  # host ports published with --network bridge
     ip: str = ""  # address asked for with --ip (run, or restore at another address); "" = IPAM's pick
     restored_from: str = ""
+    overlay_lower: str = ""  # with rootfs "overlay": the read-only lower directory (absolute)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RuncDirectRecord":
@@ -110,6 +116,80 @@ def build_busybox_rootfs(dest: Path) -> None:
     (dest / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
     (dest / "etc" / "group").write_text("root:x:0:\n")
     (dest / "etc" / "hostname").write_text("gpusnap\n")
+
+
+def overlay_paths(container_dir: Path) -> tuple[Path, Path]:
+    """Where an overlay root filesystem lives: (its private tmpfs for upper/work, the merged tree)."""
+    return container_dir / "overlay-scratch", container_dir / "overlay-root"
+
+
+def mount_overlay(lower: Path, scratch: Path, merged: Path, upper_archive: Path | None = None) -> None:
+    """Mount an overlay of ``lower`` (read-only) at ``merged``, its writable layer on a tmpfs.
+
+    The upper and work directories get a tmpfs of their own because overlayfs refuses them
+    inside the lower layer's tree, which is always the case with lower ``/``. With
+    ``upper_archive`` (a restore) the writable layer starts as the checkpointed one. Undone by
+    :func:`unmount_overlay`, also when a later part fails.
+    """
+    scratch.mkdir(parents=True, exist_ok=True)
+    merged.mkdir(parents=True, exist_ok=True)
+    _mount(["-t", "tmpfs", "-o", "mode=0755", "gpusnap-overlay-scratch", str(scratch)])
+    try:
+        (scratch / "upper").mkdir()
+        (scratch / "work").mkdir()
+        if upper_archive is not None:
+            unpack_upper(upper_archive, scratch / "upper")
+        opts = f"lowerdir={lower},upperdir={scratch / 'upper'},workdir={scratch / 'work'}"
+        _mount(["-t", "overlay", "-o", opts, "gpusnap-overlay", str(merged)])
+    except BaseException:
+        _umount(scratch)
+        raise
+
+
+def pack_upper(upper: Path, archive: Path) -> None:
+    """The overlay's writable layer as a tar. It must travel with the checkpoint: CRIU's
+    link-remap files (hard links it makes at dump for open files it cannot reach by path, e.g.
+    an interpreter seen through the overlay) land there, and the restore opens them."""
+    with tarfile.open(archive, "w") as tar:
+        for entry in sorted(upper.iterdir()):
+            tar.add(entry, arcname=entry.name)
+
+
+def unpack_upper(archive: Path, upper: Path) -> None:
+    """Unpack a writable layer, refusing entries that could land outside ``upper``.
+
+    Python's ``filter="data"`` would refuse overlay whiteouts (character devices 0/0), so the
+    ``tar`` filter is used and every other device type is refused here.
+    """
+    with tarfile.open(archive, "r") as tar:
+        for m in tar.getmembers():
+            parts = m.name.split("/")
+            if m.name.startswith("/") or ".." in parts or "\x00" in m.name:
+                raise RestoreError(f"{archive}: entry {m.name!r} would land outside the root filesystem; the checkpoint is damaged or not gpusnap's")
+            if m.isdev() and not (m.ischr() and m.devmajor == 0 and m.devminor == 0):
+                raise RestoreError(f"{archive}: entry {m.name!r} is a device file, not an overlay whiteout; refusing it")
+        tar.extractall(upper, filter="tar")
+
+
+def unmount_overlay(scratch: Path, merged: Path) -> None:
+    """Take the overlay and its tmpfs away; refuse to go on while either is still mounted, so a
+    later ``rmtree`` of the container directory can never walk into the lower layer."""
+    for path in (merged, scratch):
+        if os.path.ismount(path):
+            _umount(path)
+            if os.path.ismount(path):
+                raise GpusnapError(f"could not unmount {path}; unmount it (`umount -l {path}`) and delete again")
+
+
+def _mount(args: list[str]) -> None:
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise GpusnapError(f"mount {' '.join(args)} failed: {_last_error_line(proc.stderr) or proc.returncode}; check that the kernel has overlayfs and that you are root")
+
+
+def _umount(path: Path) -> None:
+    # Lazy: the container's mount namespace may still hold it for a moment after runc delete.
+    subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
 
 
 def make_spec(name: str, command: list[str], rootfs: Path, env: list[str], netns_path: str | None) -> dict[str, Any]:
@@ -253,7 +333,7 @@ class RuncDirectEngine:
             id=rec.name,
             name=rec.name,
             engine=self.name,
-            image=rec.rootfs,
+            image=f"overlay:{rec.overlay_lower}" if rec.rootfs == OVERLAY_ROOTFS else rec.rootfs,
             status=status,
             pid=pid,
             created=rec.created,
@@ -289,8 +369,13 @@ class RuncDirectEngine:
         env: list[str] | None = None,
         publish: list[str] | None = None,
         ip: str | None = None,
+        rootfs_overlay: str | None = None,
     ) -> ContainerInfo:
-        """Create and start a container; on any failure everything made so far is taken back."""
+        """Create and start a container; on any failure everything made so far is taken back.
+
+        ``rootfs_overlay``: a directory to use read-only under an overlay whose writable layer
+        is private to this container (instead of ``rootfs``).
+        """
         validate_name(name)
         if not command:
             raise UsageError("no command given; pass the program to run after the options, e.g. `gpusnap run NAME -- sh -c '...'`")
@@ -300,7 +385,15 @@ class RuncDirectEngine:
             raise UsageError("--publish needs --network bridge")
         if ip and network != "bridge":
             raise UsageError("--ip needs --network bridge")
-        if rootfs != BUSYBOX_ROOTFS:
+        overlay_lower = ""
+        if rootfs_overlay is not None:
+            if rootfs != BUSYBOX_ROOTFS:
+                raise UsageError("--rootfs and --rootfs-overlay exclude each other; pass one of them")
+            lower = Path(rootfs_overlay).resolve()
+            if not lower.is_dir():
+                raise NotFoundError(f"overlay lower directory {rootfs_overlay} is not a directory; pass an existing directory such as /")
+            rootfs, overlay_lower = OVERLAY_ROOTFS, str(lower)
+        elif rootfs != BUSYBOX_ROOTFS:
             src = Path(rootfs).resolve()
             if not src.is_dir():
                 raise NotFoundError(f"root filesystem {rootfs} is not a directory; pass an unpacked root filesystem or leave --rootfs out for busybox")
@@ -310,14 +403,14 @@ class RuncDirectEngine:
             raise UsageError(f"a runc-direct container named {name} already exists; pick another name or `gpusnap delete {name}`")
         rec = RuncDirectRecord(
             name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now(), publish=list(publish or []),
-            ip=ip or "",
+            ip=ip or "", overlay_lower=overlay_lower,
         )
         self._start(rec, restore_from=None)
         info = self.get(name)
         assert info is not None
         return info
 
-    def _prepare_bundle(self, rec: RuncDirectRecord, spec: dict[str, Any] | None) -> list[Step]:
+    def _prepare_bundle(self, rec: RuncDirectRecord, spec: dict[str, Any] | None, upper_archive: Path | None = None) -> list[Step]:
         cdir = self.container_dir(rec.name)
         bundle = cdir / "bundle"
         steps: list[Step] = []
@@ -330,10 +423,14 @@ class RuncDirectEngine:
         steps.append(Step("create the bundle directory", make_dirs, lambda: shutil.rmtree(cdir, ignore_errors=True)))
         if rec.rootfs == BUSYBOX_ROOTFS:
             steps.append(Step("build the busybox root filesystem", lambda: build_busybox_rootfs(bundle / "rootfs")))
+        scratch, merged = overlay_paths(cdir)
+        if rec.rootfs == OVERLAY_ROOTFS:
+            steps.append(Step("mount the overlay root filesystem", lambda: mount_overlay(Path(rec.overlay_lower), scratch, merged, upper_archive),
+                              lambda: unmount_overlay(scratch, merged)))
         steps.append(Step("set up the network", lambda: self._network_up(rec), lambda: self._network_down(rec)))
 
         def write_spec() -> None:
-            root = bundle / "rootfs" if rec.rootfs == BUSYBOX_ROOTFS else Path(rec.rootfs)
+            root = {BUSYBOX_ROOTFS: bundle / "rootfs", OVERLAY_ROOTFS: merged}.get(rec.rootfs, Path(rec.rootfs))
             netns = (rec.network_record or {}).get("netns_path")
             cfg = make_spec(rec.name, rec.command, root, rec.env, netns) if spec is None else _retarget_spec(spec, rec.name, root, netns)
             (bundle / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -421,7 +518,7 @@ class RuncDirectEngine:
             self._save(rec)
 
         steps = [
-            *self._prepare_bundle(rec, spec),
+            *self._prepare_bundle(rec, spec, _upper_archive(restore_from)),
             Step("start the log copier", spawn_logcopy, stop_logcopy),
             Step("restore the container" if restore_from else "start the container", start, undo_start),
         ]
@@ -452,6 +549,9 @@ class RuncDirectEngine:
             raise CheckpointError(f"could not checkpoint {rec.name}: {detail}; the container {still} (CRIU logs: {work})")
         shutil.rmtree(work, ignore_errors=True)
         spec = json.loads((self.container_dir(rec.name) / "bundle" / "config.json").read_text())
+        if rec.rootfs == OVERLAY_ROOTFS:
+            scratch, _ = overlay_paths(self.container_dir(rec.name))
+            pack_upper(scratch / "upper", dest / UPPER_ARCHIVE)
         portable = {"record": {**asdict(rec), "status": "running", "logcopy_pid": 0}, "spec": spec}
         (dest / BUNDLE_RECORD).write_text(json.dumps(portable, indent=2, sort_keys=True))
         if not opts.leave_running:
@@ -473,7 +573,10 @@ class RuncDirectEngine:
         self.require()
         if self._load(name) is not None or (self.runc_root / name).exists():
             raise UsageError(f"a runc-direct container named {name} already exists; restore with --name NEW or `gpusnap delete {name}`")
-        if old.rootfs != BUSYBOX_ROOTFS and not Path(old.rootfs).is_dir():
+        if old.rootfs == OVERLAY_ROOTFS:
+            if not Path(old.overlay_lower).is_dir():
+                raise RestoreError(f"the checkpoint's overlay lower directory {old.overlay_lower} is not on this host; restore where it exists")
+        elif old.rootfs != BUSYBOX_ROOTFS and not Path(old.rootfs).is_dir():
             raise RestoreError(f"the checkpoint's root filesystem {old.rootfs} is not on this host; copy it there first")
         rec = RuncDirectRecord(
             name=name,
@@ -486,6 +589,7 @@ class RuncDirectEngine:
             publish=old.publish,
             ip=opts.ip or "",
             restored_from=old.name,
+            overlay_lower=old.overlay_lower,
         )
         self._start(rec, restore_from=source, spec=saved["spec"], tcp_established=opts.tcp_established)
         info = self.get(name)
@@ -502,6 +606,7 @@ class RuncDirectEngine:
                 raise GpusnapError(f"could not delete {rec.name}: {_last_error_line(proc.stderr)}; try `runc --root {self.runc_root} delete -f {rec.name}`")
         self._network_down(rec)
         _wait_gone(rec.logcopy_pid)
+        unmount_overlay(*overlay_paths(self.container_dir(rec.name)))
         shutil.rmtree(self.container_dir(rec.name), ignore_errors=True)
 
     def is_running(self, container: ContainerInfo) -> bool:
@@ -514,6 +619,13 @@ class RuncDirectEngine:
     def logs(self, container: ContainerInfo) -> str:
         path = self.log_path(container.name)
         return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def _upper_archive(restore_from: Path | None) -> Path | None:
+    if restore_from is None:
+        return None
+    archive = restore_from / UPPER_ARCHIVE
+    return archive if archive.is_file() else None
 
 
 def _retarget_spec(spec: dict[str, Any], name: str, rootfs: Path, netns_path: str | None) -> dict[str, Any]:

@@ -1,0 +1,112 @@
+"""runc-direct's overlay root filesystem: option checks, the writable layer's archive, records.
+The mounts themselves are exercised for real in tests/integration/cli/test_overlay_rootfs.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from gpusnap.config import load_settings
+from gpusnap.engines.base import RestoreOptions
+from gpusnap.engines.runc_direct import (
+    BUNDLE_RECORD,
+    OVERLAY_ROOTFS,
+    RuncDirectEngine,
+    RuncDirectRecord,
+    overlay_paths,
+    pack_upper,
+    unpack_upper,
+)
+from gpusnap.errors import NotFoundError, RestoreError, UsageError
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> RuncDirectEngine:
+    return RuncDirectEngine(load_settings({"GPUSNAP_RUN_DIR": str(tmp_path / "run"), "GPUSNAP_STATE_DIR": str(tmp_path / "state"),
+                                           "GPUSNAP_CONFIG": str(tmp_path / "none.toml")}))
+
+
+def test_rootfs_and_overlay_exclude_each_other(engine: RuncDirectEngine, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="exclude each other"):
+        engine.run("gs-demo-u1", ["true"], rootfs=str(tmp_path), rootfs_overlay="/")
+    assert not engine.home.exists()  # refused before anything was made
+
+
+def test_overlay_lower_must_exist(engine: RuncDirectEngine, tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError, match="is not a directory"):
+        engine.run("gs-demo-u2", ["true"], rootfs_overlay=str(tmp_path / "absent"))
+    assert not engine.home.exists()
+
+
+def test_overlay_paths_are_inside_the_container_dir(engine: RuncDirectEngine) -> None:
+    scratch, merged = overlay_paths(engine.container_dir("c"))
+    assert scratch.parent == merged.parent == engine.container_dir("c") and scratch != merged
+
+
+def test_old_records_read_without_overlay_field() -> None:
+    rec = RuncDirectRecord.from_dict({"name": "a", "command": ["sh"], "rootfs": "busybox"})
+    assert rec.overlay_lower == ""
+    rec = RuncDirectRecord.from_dict({"name": "a", "command": ["sh"], "rootfs": OVERLAY_ROOTFS, "overlay_lower": "/"})
+    assert (rec.rootfs, rec.overlay_lower) == ("overlay", "/")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a whiteout is a character device: mknod needs root")
+def test_upper_layer_round_trip_keeps_files_links_and_whiteouts(tmp_path: Path) -> None:
+    upper = tmp_path / "upper"
+    (upper / "usr" / "bin").mkdir(parents=True)
+    (upper / "usr" / "bin" / "link_remap.3").write_bytes(b"\x7fELF...")
+    os.chmod(upper / "usr" / "bin" / "link_remap.3", 0o755)
+    (upper / "etc").mkdir()
+    os.symlink("../usr/bin/link_remap.3", upper / "etc" / "alias")
+    os.mknod(upper / "etc" / "gone", 0o600 | 0o020000, os.makedev(0, 0))  # overlayfs whiteout
+    archive = tmp_path / "upper.tar"
+    pack_upper(upper, archive)
+    out = tmp_path / "out"
+    out.mkdir()
+    unpack_upper(archive, out)
+    assert (out / "usr" / "bin" / "link_remap.3").read_bytes() == b"\x7fELF..."
+    assert os.stat(out / "usr" / "bin" / "link_remap.3").st_mode & 0o777 == 0o755
+    assert os.readlink(out / "etc" / "alias") == "../usr/bin/link_remap.3"
+    st = os.lstat(out / "etc" / "gone")
+    assert (st.st_mode & 0o170000) == 0o020000 and st.st_rdev == os.makedev(0, 0)
+
+
+def _tar_with(tmp_path: Path, member: tarfile.TarInfo, data: bytes = b"") -> Path:
+    path = tmp_path / "evil.tar"
+    with tarfile.open(path, "w") as tar:
+        member.size = len(data)
+        tar.addfile(member, io.BytesIO(data) if data else None)
+    return path
+
+
+@pytest.mark.parametrize("name", ["../escape", "/etc/passwd", "a/../../b"])
+def test_unpack_refuses_entries_outside(tmp_path: Path, name: str) -> None:
+    archive = _tar_with(tmp_path, tarfile.TarInfo(name), b"x")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(RestoreError, match="outside the root filesystem"):
+        unpack_upper(archive, tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_unpack_refuses_real_device_files(tmp_path: Path) -> None:
+    m = tarfile.TarInfo("dev/sda")
+    m.type, m.devmajor, m.devminor = tarfile.BLKTYPE, 8, 0
+    archive = _tar_with(tmp_path, m)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(RestoreError, match="not an overlay whiteout"):
+        unpack_upper(archive, tmp_path / "out")
+
+
+def test_restore_refuses_when_the_lower_layer_is_missing(engine: RuncDirectEngine, tmp_path: Path) -> None:
+    cp = tmp_path / "cp"
+    cp.mkdir()
+    record = {"name": "gs-demo-u3", "command": ["python3"], "rootfs": OVERLAY_ROOTFS, "overlay_lower": str(tmp_path / "gone")}
+    (cp / BUNDLE_RECORD).write_text(json.dumps({"record": record, "spec": {}}))
+    with pytest.raises(RestoreError, match="overlay lower directory .* is not on this host"):
+        engine.restore(cp, RestoreOptions(name="gs-demo-u3"))
+    assert not (engine.home / "containers" / "gs-demo-u3").exists()
