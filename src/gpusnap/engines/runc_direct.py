@@ -534,6 +534,13 @@ class RuncDirectEngine:
             raise NotFoundError(f"no runc-direct container {container.name}; `gpusnap ps` lists them")
         if not self.is_running(container):
             raise CheckpointError(f"{container.name} is not running ({container.status}); only running containers can be checkpointed")
+        if rec.network == "none" and shutil.which("iptables-restore") is None:
+            # CRIU locks a network namespace it dumps by running iptables-restore; without it the
+            # dump fails after the GPU state was already moved. Refuse before anything changes.
+            # (runc's CRIU RPC mode takes no other network-lock method from a config file.)
+            raise MissingDependencyError(
+                f"cannot checkpoint {rec.name}: CRIU locks its network namespace with iptables-restore, which is not on PATH; install iptables (apt-get install iptables)"
+            )
         dest.mkdir(parents=True)
         work = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name)))
         args = ["checkpoint", "--image-path", str(dest), "--work-path", str(work)]
@@ -543,7 +550,9 @@ class RuncDirectEngine:
             args.append("--tcp-established")
         proc = self._runtime(*args, rec.name)
         if proc.returncode != 0:
-            detail = _last_error_line(proc.stderr) or _criu_log_tail(work)
+            detail = _last_error_line(proc.stderr)
+            if not detail or "criu failed" in detail:  # runc's own line names no cause
+                detail = _criu_log_tail(work)
             shutil.rmtree(dest, ignore_errors=True)
             still = "still runs" if self.is_running(container) else "is no longer running"
             raise CheckpointError(f"could not checkpoint {rec.name}: {detail}; the container {still} (CRIU logs: {work})")
@@ -713,9 +722,12 @@ def _criu_log_tail(work: Path) -> str:
     for log in ("dump.log", "restore.log"):
         p = work / log
         if p.is_file():
-            errs = [ln for ln in p.read_text(errors="replace").splitlines() if "Error" in ln]
+            # The first error is the cause; CRIU then logs its consequences ("exited, status",
+            # "Dumping FAILED") and, on hosts with a low hard nofile limit, a harmless rlimit line.
+            noise = ("RLIMIT_NOFILE", "FAILED.", "exited, status=")
+            errs = [ln for ln in p.read_text(errors="replace").splitlines() if "Error" in ln and not any(n in ln for n in noise)]
             if errs:
-                return errs[-1].strip()
+                return "CRIU: " + errs[0].split("): ", 1)[-1].strip()
     return "see the CRIU log in " + str(work)
 
 
