@@ -23,3 +23,8 @@ def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: p
 @pytest.fixture
 def ledger(pytestconfig: pytest.Config) -> _ledger.Ledger:
     return _ledger.Ledger(_ledger.ledger_path(pytestconfig.rootpath))
+
+
+@pytest.fixture(scope="module")
+def module_ledger(pytestconfig: pytest.Config) -> _ledger.Ledger:
+    return _ledger.Ledger(_ledger.ledger_path(pytestconfig.rootpath))
