@@ -1,0 +1,168 @@
+"""Which GPUs a container asked for, read from its config.json.
+
+First match wins: the annotation ``gpusnap.io/gpus``, then ``GPUSNAP_VISIBLE_DEVICES``, then
+``NVIDIA_VISIBLE_DEVICES`` / ``AMD_VISIBLE_DEVICES`` in ``process.env``. Values follow the
+NVIDIA Container Toolkit's meaning so images built for it behave the same:
+
+- ``all``: every GPU of the vendor;
+- ``none``: no GPU device nodes, but the driver's control nodes, libraries and tools (so
+  ``nvidia-smi`` works and the container can be checkpointed like a GPU one);
+- ``void`` or empty: as if nothing was asked — the spec is left untouched;
+- a comma list of indexes (``0,2``) and/or UUIDs (``GPU-…``).
+
+A spec that already carries GPU devices — injected through CDI (``podman --device
+nvidia.com/gpu=all``) or by the NVIDIA Container Toolkit's runtime or hook — is left as it is so
+nothing is injected twice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpusnap.config import HostPaths
+from gpusnap.errors import UsageError
+from gpusnap.gpu.discovery import GpuIdentity, Inventory
+
+ANNOTATION = "gpusnap.io/gpus"
+ENV_GPUSNAP = "GPUSNAP_VISIBLE_DEVICES"
+ENV_NVIDIA = "NVIDIA_VISIBLE_DEVICES"
+ENV_AMD = "AMD_VISIBLE_DEVICES"
+
+# Hooks that mean another tool already injects NVIDIA devices into this container.
+_TOOLKIT_HOOK_MARKERS = ("nvidia-container-runtime-hook", "nvidia-container-toolkit", "nvidia-ctk")
+_GPU_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/renderD")
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    source: str  # "annotation gpusnap.io/gpus", "env NVIDIA_VISIBLE_DEVICES", ...
+    value: str
+    vendor: str  # "nvidia" | "amd" | "any"
+
+
+@dataclass
+class Selection:
+    """The outcome for one container."""
+
+    request: GpuRequest
+    vendor: str  # "nvidia" | "amd"
+    gpus: list[GpuIdentity] = field(default_factory=list)  # empty with "none"
+
+    @property
+    def uuids(self) -> list[str]:
+        return [g.uuid for g in self.gpus]
+
+
+def _env(spec: dict[str, Any]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in (spec.get("process") or {}).get("env") or []:
+        key, _, value = str(item).partition("=")
+        env[key] = value  # later entries win, as in execve's environment lookup by libc
+    return env
+
+
+def find_request(spec: dict[str, Any]) -> GpuRequest | None:
+    """The first GPU request in precedence order, or None when the container asks for none."""
+    annotations = spec.get("annotations") or {}
+    if ANNOTATION in annotations:
+        return GpuRequest(f"annotation {ANNOTATION}", str(annotations[ANNOTATION]).strip(), "any")
+    env = _env(spec)
+    for var, vendor in ((ENV_GPUSNAP, "any"), (ENV_NVIDIA, "nvidia"), (ENV_AMD, "amd")):
+        if var in env:
+            return GpuRequest(f"env {var}", env[var].strip(), vendor)
+    return None
+
+
+def cdi_device_paths(host: HostPaths, cdi_dirs: tuple[str, ...] = ("etc/cdi", "var/run/cdi")) -> set[str]:
+    """Device node paths that the host's CDI specs define for GPU kinds (validated on read)."""
+    from gpusnap.ocispec.gpu_modifiers import validate_cdi  # jsonschema: only when CDI files exist
+
+    paths: set[str] = set()
+    for rel in cdi_dirs:
+        d = host.root / rel
+        if not d.is_dir():
+            continue
+        for f in sorted(d.iterdir()):
+            if f.suffix != ".json":
+                continue  # YAML CDI specs need a YAML parser; podman resolves those itself
+            try:
+                doc = json.loads(f.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise UsageError(f"{f}: not a readable CDI JSON file ({exc}); fix or remove it") from None
+            validate_cdi(doc, str(f))
+            if not str(doc.get("kind", "")).endswith("/gpu"):
+                continue
+            edits = [doc.get("containerEdits") or {}] + [d.get("containerEdits") or {} for d in doc.get("devices", [])]
+            for e in edits:
+                for node in e.get("deviceNodes") or []:
+                    paths.add(node["path"])
+    return paths
+
+
+def already_injected(spec: dict[str, Any], extra_paths: set[str] | None = None) -> str | None:
+    """Why the spec already has GPUs from elsewhere (CDI or the NVIDIA toolkit), or None."""
+    for dev in (spec.get("linux") or {}).get("devices") or []:
+        path = str(dev.get("path", ""))
+        if path.startswith(_GPU_DEVICE_PREFIXES) or (extra_paths and path in extra_paths):
+            return f"the spec already has {path} (CDI or another GPU runtime put it there)"
+    for stage, hooks in (spec.get("hooks") or {}).items():
+        for hook in hooks or []:
+            text = " ".join([str(hook.get("path", "")), *map(str, hook.get("args") or [])])
+            if any(m in text for m in _TOOLKIT_HOOK_MARKERS):
+                return f"the NVIDIA Container Toolkit's {stage} hook is already in the spec"
+    return None
+
+
+def _resolve_items(items: list[str], gpus: list[GpuIdentity], request: GpuRequest) -> list[GpuIdentity]:
+    by_uuid = {g.uuid.lower(): g for g in gpus}
+    by_index = {g.index: g for g in gpus}
+    chosen: list[GpuIdentity] = []
+    for item in items:
+        g = by_index.get(int(item)) if item.isdigit() else by_uuid.get(item.lower())
+        if g is None:
+            have = ", ".join(f"{x.index} ({x.uuid})" for x in gpus) or "none"
+            raise UsageError(
+                f"{request.source}={request.value!r}: no GPU {item!r} on this host; GPUs here: {have}"
+            )
+        if g not in chosen:
+            chosen.append(g)
+    return chosen
+
+
+def select(spec: dict[str, Any], inventory: Inventory) -> Selection | None:
+    """The GPUs to inject for ``spec``, or None when nothing is to be injected.
+
+    Raises UsageError for indexes or UUIDs this host does not have, or a request this host
+    cannot serve at all (no driver of that vendor).
+    """
+    request = find_request(spec)
+    if request is None or request.value in ("", "void"):
+        return None
+    vendor = request.vendor
+    if vendor == "any":
+        vendor = "nvidia" if inventory.nvidia.present or not inventory.amd.present else "amd"
+    present = inventory.nvidia.present if vendor == "nvidia" else inventory.amd.present
+    gpus = inventory.nvidia.gpus if vendor == "nvidia" else [a.gpu for a in inventory.amd.gpus]
+    if request.value == "none":
+        if not present:
+            return None  # CPU-only images often say NVIDIA_VISIBLE_DEVICES=none: nothing to do
+        return Selection(request, vendor, [])
+    if not present:
+        raise UsageError(
+            f"{request.source}={request.value!r} asks for {vendor.upper()} GPUs but this host has no "
+            f"{vendor.upper()} driver nodes; unset it or run on a GPU host"
+        )
+    if request.value == "all":
+        return Selection(request, vendor, list(gpus))
+    items = [i.strip() for i in request.value.split(",")]
+    if any(not i for i in items):
+        raise UsageError(f"{request.source}={request.value!r}: empty item in the list; use e.g. 0,1 or GPU-<uuid>")
+    return Selection(request, vendor, _resolve_items(items, gpus, request))
+
+
+def state_path(state_dir: Path, container_id: str) -> Path:
+    """Where the hooks record a container's GPU assignment."""
+    return state_dir / "gpus" / f"{container_id}.json"

@@ -1,0 +1,337 @@
+"""Spec modifiers that give a container the GPUs it asked for, at ``create`` time.
+
+:class:`GpuInjection` is the one entry of the shim's modifier chain: it discovers the host's
+GPUs, reads the container's request (:mod:`gpusnap.gpu.selection`) and, when something is to be
+injected, applies the small units below in order. Each unit is a plain function of
+``(spec, ...)`` that edits the spec in place and is idempotent (applying it twice gives the same
+spec), so a spec passing through create twice, or a restore reusing it, never doubles entries.
+
+Driver libraries are bind-mounted one by one at *stable* paths named by soname
+(``/usr/local/gpusnap/driver/lib/libcuda.so.1``) rather than at the host's versioned paths, and
+``LD_LIBRARY_PATH`` points there: what a process maps is then the same path on every host, so a
+checkpoint taken under one driver version restores under another where the soname resolves to
+that host's library (the failure of NVIDIA/cuda-checkpoint#21 is versioned paths baked into the
+images).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from gpusnap.config import Settings
+from gpusnap.errors import MissingDependencyError, UsageError
+from gpusnap.gpu.discovery import DeviceNode, DriverFile, Inventory, discover
+from gpusnap.gpu.selection import Selection, already_injected, cdi_device_paths, select
+
+STABLE_LIB_DIR = "/usr/local/gpusnap/driver/lib"
+STABLE_BIN_DIR = "/usr/local/gpusnap/driver/bin"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+ANN_ASSIGNED = "gpusnap.io/assigned-gpus"  # comma list of UUIDs actually given
+ANN_VENDOR = "gpusnap.io/gpu-vendor"
+ANN_CRIU_LIBDIR = "gpusnap.io/criu-libdir"  # CRIU plugin directory (--libdir) for checkpoint/restore
+ANN_CRIU_ENV = "gpusnap.io/criu-env"  # JSON object: environment for CRIU (the amdgpu plugin's KFD_*)
+ANN_AMD_RELAXED = "gpusnap.io/amd-relaxed-checks"  # "true": allow restore on a different AMD GPU
+
+HOOK_STAGES = ("createRuntime", "createContainer", "poststop")
+HOOK_TIMEOUT_S = 30
+# The amdgpu CRIU plugin's restore-time compatibility checks; each is on unless set to 0.
+KFD_CHECK_VARS = (
+    "KFD_FW_VER_CHECK",
+    "KFD_SDMA_FW_VER_CHECK",
+    "KFD_CACHES_COUNT_CHECK",
+    "KFD_NUM_GWS_CHECK",
+    "KFD_VRAM_SIZE_CHECK",
+    "KFD_NUMA_CHECK",
+    "KFD_CAPABILITY_CHECK",
+)
+CRIU_PLUGIN_DIRS = ("usr/lib/criu", "usr/local/lib/criu", "usr/lib64/criu")
+
+SCHEMA_DIR = Path(__file__).with_name("schema")
+
+
+# ---- validation of the files this area reads or writes ------------------------------------
+
+
+@lru_cache(maxsize=None)
+def _schema(name: str) -> dict[str, Any]:
+    return json.loads((SCHEMA_DIR / name).read_text())
+
+
+def _validate(doc: Any, schema_name: str, what: str, fix: str) -> None:
+    import jsonschema  # heavy: only where a file is actually checked
+
+    validator = jsonschema.Draft202012Validator(_schema(schema_name))
+    error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise UsageError(f"{what}: invalid at {where}: {error.message}; {fix}")
+
+
+def validate_cdi(doc: Any, what: str) -> None:
+    _validate(doc, "cdi.schema.json", what, "fix or remove the CDI file")
+
+
+def validate_hooks_d(doc: Any, what: str) -> None:
+    _validate(doc, "oci-hooks-d.schema.json", what, "this is a gpusnap bug, please report it")
+
+
+# ---- the plan ------------------------------------------------------------------------------
+
+
+@dataclass
+class InjectionPlan:
+    """Everything :func:`apply_plan` puts into one container's spec."""
+
+    selection: Selection
+    nodes: list[DeviceNode] = field(default_factory=list)
+    libraries: list[DriverFile] = field(default_factory=list)
+    binaries: list[DriverFile] = field(default_factory=list)
+    hook_path: str | None = None
+    hook_env: list[str] = field(default_factory=list)
+    criu_libdir: str | None = None
+    criu_env: dict[str, str] = field(default_factory=dict)
+
+
+def resolve_hook_path(settings: Settings, shim_path: str | None = None) -> str:
+    """``settings.hook_path``, else ``gpusnap-hook`` beside the running shim."""
+    if settings.hook_path:
+        path = Path(settings.hook_path)
+    else:
+        path = Path(shim_path or sys.argv[0]).absolute().parent / "gpusnap-hook"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise MissingDependencyError(
+            f"gpusnap-hook not found at {path}; install it beside gpusnap-runtime or set GPUSNAP_HOOK / hook_path"
+        )
+    return str(path)
+
+
+def hook_environment(settings: Settings, env: Mapping[str, str]) -> list[str]:
+    """The environment hooks run with: runc gives hooks only what the spec lists."""
+    out = [
+        f"PATH={DEFAULT_PATH}",
+        f"GPUSNAP_RUN_DIR={settings.run_dir}",
+        f"GPUSNAP_STATE_DIR={settings.state_dir}",
+    ]
+    if settings.host.root != Path("/"):
+        out.append(f"GPUSNAP_ROOT={settings.host.root}")
+    if env.get("GPUSNAP_CONFIG"):
+        out.append(f"GPUSNAP_CONFIG={env['GPUSNAP_CONFIG']}")
+    return out
+
+
+def find_criu_plugin_dir(settings: Settings, plugin: str = "amdgpu_plugin.so") -> str | None:
+    for rel in CRIU_PLUGIN_DIRS:
+        d = settings.host.root / rel
+        if (d / plugin).is_file():
+            return str(d)
+    return None
+
+
+def amd_criu_env(spec: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """KFD_* for CRIU's amdgpu plugin: the operator's own, or all checks off when the container
+    is annotated for restore onto different AMD GPUs."""
+    out = {k: v for k, v in env.items() if k.startswith("KFD_")}
+    if str((spec.get("annotations") or {}).get(ANN_AMD_RELAXED, "")).lower() in ("1", "true", "yes"):
+        out.update({k: "0" for k in KFD_CHECK_VARS})
+    return out
+
+
+def plan_injection(
+    spec: dict[str, Any],
+    settings: Settings,
+    inventory: Inventory,
+    *,
+    env: Mapping[str, str] | None = None,
+    shim_path: str | None = None,
+) -> InjectionPlan | None:
+    """What to inject into ``spec``; None when it asks for no GPUs or already has them."""
+    env = os.environ if env is None else env
+    selection = select(spec, inventory)
+    if selection is None:
+        return None
+    if already_injected(spec, cdi_device_paths(settings.host)) is not None:
+        return None
+    plan = InjectionPlan(selection=selection)
+    if selection.vendor == "nvidia":
+        nv = inventory.nvidia
+        plan.nodes = list(nv.control_nodes)
+        for gpu in selection.gpus:
+            node = nv.gpu_nodes.get(gpu.minor if gpu.minor >= 0 else gpu.index)
+            if node is None:
+                raise UsageError(
+                    f"{selection.request.source}: GPU {gpu.index} ({gpu.uuid}) has no /dev/nvidia{gpu.minor} node on this host; "
+                    "load the driver (nvidia-modprobe) or pick another GPU"
+                )
+            plan.nodes.append(node)
+        plan.libraries = list(nv.libraries)
+        plan.binaries = list(nv.binaries)
+    else:
+        amd = inventory.amd
+        assert amd.kfd is not None  # select() refuses AMD requests without /dev/kfd
+        plan.nodes = [amd.kfd]
+        chosen = {g.uuid for g in selection.gpus}
+        for entry in amd.gpus:
+            if entry.gpu.uuid in chosen:
+                plan.nodes.extend(entry.nodes)
+        plan.criu_libdir = find_criu_plugin_dir(settings)
+        plan.criu_env = amd_criu_env(spec, env)
+    plan.hook_path = resolve_hook_path(settings, shim_path)
+    plan.hook_env = hook_environment(settings, env)
+    return plan
+
+
+# ---- the units -----------------------------------------------------------------------------
+
+
+def add_device_nodes(spec: dict[str, Any], nodes: list[DeviceNode]) -> None:
+    """Each node in ``linux.devices`` and an ``rwm`` allow rule for it in the device cgroup."""
+    linux = spec.setdefault("linux", {})
+    devices = linux.setdefault("devices", [])
+    rules = linux.setdefault("resources", {}).setdefault("devices", [])
+    have = {d.get("path") for d in devices}
+    for n in nodes:
+        if n.path not in have:
+            devices.append(
+                {"path": n.path, "type": n.type, "major": n.major, "minor": n.minor, "fileMode": n.file_mode, "uid": n.uid, "gid": n.gid}
+            )
+            have.add(n.path)
+        rule = {"allow": True, "type": n.type, "major": n.major, "minor": n.minor, "access": "rwm"}
+        if rule not in rules:
+            rules.append(rule)
+
+
+def add_driver_mounts(spec: dict[str, Any], libraries: list[DriverFile], binaries: list[DriverFile]) -> None:
+    """Read-only bind mounts of each driver file at its stable, soname-named path."""
+    mounts = spec.setdefault("mounts", [])
+    have = {m.get("destination") for m in mounts}
+    for f in [*libraries, *binaries]:
+        dest = f"{STABLE_LIB_DIR if f.kind == 'lib' else STABLE_BIN_DIR}/{f.name}"
+        if dest in have:
+            continue
+        mounts.append({"destination": dest, "type": "bind", "source": str(f.host_path), "options": ["bind", "ro", "nosuid", "nodev"]})
+        have.add(dest)
+
+
+def _prepend_path(value: str | None, entry: str) -> str:
+    parts = [p for p in (value or "").split(":") if p]
+    return ":".join([entry, *[p for p in parts if p != entry]])
+
+
+def _append_path(value: str | None, entry: str) -> str:
+    parts = [p for p in (value or "").split(":") if p and p != entry]
+    return ":".join([*parts, entry])
+
+
+def add_gpu_env(spec: dict[str, Any], plan: InjectionPlan) -> None:
+    """LD_LIBRARY_PATH / PATH to the stable driver dirs, and the assigned GPUs for the workload."""
+    process = spec.setdefault("process", {})
+    env_list: list[str] = process.setdefault("env", [])
+    env = dict(e.partition("=")[::2] for e in env_list)
+    updates: dict[str, str] = {}
+    if plan.libraries:
+        updates["LD_LIBRARY_PATH"] = _prepend_path(env.get("LD_LIBRARY_PATH"), STABLE_LIB_DIR)
+    if plan.binaries:
+        updates["PATH"] = _append_path(env.get("PATH") or DEFAULT_PATH, STABLE_BIN_DIR)
+    updates["GPUSNAP_ASSIGNED_GPUS"] = ",".join(plan.selection.uuids)
+    for key, value in updates.items():
+        entry = f"{key}={value}"
+        idx = [i for i, e in enumerate(env_list) if e.partition("=")[0] == key]
+        if idx:
+            env_list[idx[-1]] = entry
+            for i in reversed(idx[:-1]):
+                del env_list[i]
+        else:
+            env_list.append(entry)
+
+
+def add_hooks(spec: dict[str, Any], hook_path: str, hook_env: list[str]) -> None:
+    """``gpusnap-hook STAGE`` at each stage, unless one is there already (e.g. from hooks.d)."""
+    hooks = spec.setdefault("hooks", {})
+    for stage in HOOK_STAGES:
+        entries = hooks.setdefault(stage, [])
+        present = any(
+            os.path.basename(str(h.get("path", ""))) == "gpusnap-hook" and stage in (h.get("args") or [])
+            for h in entries
+        )
+        if not present:
+            entries.append({"path": hook_path, "args": ["gpusnap-hook", stage], "env": list(hook_env), "timeout": HOOK_TIMEOUT_S})
+
+
+def annotate_assignment(spec: dict[str, Any], selection: Selection) -> None:
+    ann = spec.setdefault("annotations", {})
+    ann[ANN_ASSIGNED] = ",".join(selection.uuids)
+    ann[ANN_VENDOR] = selection.vendor
+
+
+def add_criu_config(spec: dict[str, Any], libdir: str | None, criu_env: dict[str, str]) -> None:
+    """Where CRIU finds its GPU plugin and the environment it needs, for the shim's
+    checkpoint/restore (runc starts CRIU with the runtime's environment, not the container's)."""
+    ann = spec.setdefault("annotations", {})
+    if libdir:
+        ann[ANN_CRIU_LIBDIR] = libdir
+    if criu_env:
+        ann[ANN_CRIU_ENV] = json.dumps(dict(sorted(criu_env.items())), separators=(",", ":"))
+
+
+def criu_settings_from_annotations(annotations: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
+    """For the shim's checkpoint/restore: (CRIU --libdir, extra environment for CRIU)."""
+    env: dict[str, str] = {}
+    raw = annotations.get(ANN_CRIU_ENV)
+    if raw:
+        try:
+            loaded = json.loads(raw)
+        except json.JSONDecodeError:
+            raise UsageError(f"annotation {ANN_CRIU_ENV} is not a JSON object; remove or fix it") from None
+        if not isinstance(loaded, dict) or not all(isinstance(v, str) for v in loaded.values()):
+            raise UsageError(f"annotation {ANN_CRIU_ENV} must map names to strings")
+        env = loaded
+    return annotations.get(ANN_CRIU_LIBDIR), env
+
+
+def apply_plan(spec: dict[str, Any], plan: InjectionPlan) -> dict[str, Any]:
+    add_device_nodes(spec, plan.nodes)
+    add_driver_mounts(spec, plan.libraries, plan.binaries)
+    add_gpu_env(spec, plan)
+    if plan.hook_path:
+        add_hooks(spec, plan.hook_path, plan.hook_env)
+    annotate_assignment(spec, plan.selection)
+    if plan.selection.vendor == "amd":
+        add_criu_config(spec, plan.criu_libdir, plan.criu_env)
+    return spec
+
+
+class GpuInjection:
+    """The modifier-chain entry: discover, select, inject. Does nothing for non-GPU containers."""
+
+    name = "gpu-devices"
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        discover_fn: Callable[[Settings], Inventory] | None = None,
+        env: Mapping[str, str] | None = None,
+        shim_path: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self._discover = discover_fn or (lambda s: discover(s.host))
+        self._env = env
+        self._shim_path = shim_path
+
+    def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
+        from gpusnap.gpu.selection import find_request
+
+        if find_request(spec) is None:
+            return spec  # the common case: no discovery at all for CPU containers
+        plan = plan_injection(spec, self.settings, self._discover(self.settings), env=self._env, shim_path=self._shim_path)
+        return spec if plan is None else apply_plan(spec, plan)
+
+    apply = __call__
