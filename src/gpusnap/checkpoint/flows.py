@@ -1,0 +1,251 @@
+"""The runtime's checkpoint and restore: runc's own operation with the GPU plan's steps around it.
+
+checkpoint = run_steps([*plan.before_dump, runc checkpoint, *plan.after_dump])
+restore    = run_steps([*spec modifiers, restore marker, *plan.before_restore, runc restore,
+                        *plan.after_restore])
+A failing step undoes the ones before it, newest first (gpusnap.steps), so a failed checkpoint
+leaves the container running and a failed restore leaves nothing half-restored.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from gpusnap import __version__
+from gpusnap.checkpoint.container import container_ref, env_with_path, fill_ref, runc_state, state_globals
+from gpusnap.config import Settings
+from gpusnap.criu.config import TCP_ESTABLISHED_ANNOTATION
+from gpusnap.criu.locate import CriuInfo, find_criu
+from gpusnap.errors import ExitCode, GpusnapError, RestoreError
+from gpusnap.gpu.base import ContainerRef, GpuPlan
+from gpusnap.gpu.plan import make_gpu_plan
+from gpusnap.metadata import CheckpointMetadata
+from gpusnap.runc import run_runc, runc_version
+from gpusnap.runtime_shim.argv import Invocation, with_global_flag
+from gpusnap.steps import Step, StepFailed, run_steps
+
+# How often a foreground restore polls `runc state` while waiting for the container to run.
+_POLL_S = 0.05
+# Signals a foreground restore hands on to runc, which hands them on to the container (as runc
+# itself does in the foreground): the shim stands where runc would stand.
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGWINCH", "SIGCONT")
+
+
+class RuncFailed(GpusnapError):
+    """runc itself failed; its stderr already reached the caller and its exit status is kept."""
+
+    def __init__(self, what: str, returncode: int) -> None:
+        super().__init__(f"{what} exited with status {returncode}")
+        self.exit_code = returncode  # type: ignore[assignment]  # runc's own status, not ours
+
+
+@dataclass
+class RuncCall:
+    """One intercepted runc command line and how to run runc for it."""
+
+    runc: str
+    inv: Invocation
+    env: Mapping[str, str]
+    cwd: Path = field(default_factory=Path.cwd)
+
+    @property
+    def container_id(self) -> str:
+        assert self.inv.container_id is not None
+        return self.inv.container_id
+
+    def image_dir(self) -> Path:
+        # runc's own default when --image-path is not given.
+        return (self.cwd / (self.inv.value("image-path") or "checkpoint")).absolute()
+
+    def criu_args_env(self, criu: CriuInfo) -> tuple[list[str], dict[str, str]]:
+        """The caller's argv with ``--criu`` added (unless given) and CRIU's dir first on PATH."""
+        args = with_global_flag(self.inv.argv, self.inv, "criu", criu.path)
+        return args, env_with_path(self.env, [os.path.dirname(criu.path)])
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def new_metadata(call: RuncCall, settings: Settings, criu: CriuInfo, ref: ContainerRef) -> CheckpointMetadata:
+    uname = platform.uname()
+    return CheckpointMetadata(
+        container_id=call.container_id,
+        created=_now(),
+        runtime_version=__version__,
+        runc_version=runc_version(call.runc),
+        criu_version=criu.version_text,
+        kernel=uname.release,
+        arch=uname.machine,
+        hostname=socket.gethostname(),
+        leave_running=call.inv.flag("leave-running") or call.inv.flag("pre-dump"),
+        tcp_established=call.inv.flag("tcp-established")
+        or ref.annotations.get(TCP_ESTABLISHED_ANNOTATION, "").lower() in ("1", "true", "yes", "on"),
+    )
+
+
+def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) -> int:
+    """``runc checkpoint`` with the GPU plan around it; returns the exit status for the caller."""
+    state = runc_state(call.runc, call.inv.global_opts, call.container_id, call.env)
+    if state is None:
+        return _runc_reports(call)
+    criu = find_criu(settings)
+    plan = make_gpu_plan(settings) if plan is None else plan
+    ref = container_ref(state, settings.host)
+    image_dir = call.image_dir()
+    meta = new_metadata(call, settings, criu, ref)
+    args, env = call.criu_args_env(criu)
+
+    def dump() -> None:
+        rc = run_runc(call.runc, args, env=env).returncode
+        if rc != 0:
+            raise RuncFailed("runc checkpoint", rc)
+
+    # No undo for the dump itself: with --leave-running the container still runs, without it
+    # the dump is what the caller asked for; the GPU steps before it carry their own undo.
+    steps = [
+        *plan.before_dump(ref, image_dir, meta),
+        Step("runc checkpoint", dump),
+        *plan.after_dump(ref, image_dir, meta, meta.leave_running),
+    ]
+    records = run_steps(steps)
+    meta.timings_s = {r.name: round(r.seconds, 6) for r in records}
+    meta.write(image_dir)
+    return 0
+
+
+def _runc_reports(call: RuncCall) -> int:
+    """Let runc run the line unchanged so its own error (and exit status) reaches the caller."""
+    return run_runc(call.runc, call.inv.argv, env=call.env).returncode
+
+
+@dataclass
+class RestoreParts:
+    """The pieces of a restore the shim runs around runc (built by the shim, testable alone)."""
+
+    spec_steps: list[Step]
+    marker: Path
+
+
+def restore_marker(settings: Settings, container_id: str) -> Path:
+    return settings.run_dir / "restoring" / container_id
+
+
+def marker_step(marker: Path) -> Step:
+    def create() -> None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{os.getpid()}\n")
+
+    return Step("restore marker", create, lambda: marker.unlink(missing_ok=True))
+
+
+def restore(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan | None = None) -> int:
+    """``runc restore`` (detached or foreground) with the GPU plan around it."""
+    criu = find_criu(settings)
+    plan = make_gpu_plan(settings) if plan is None else plan
+    image_dir = call.image_dir()
+    try:
+        meta = CheckpointMetadata.read(image_dir)
+    except (ValueError, TypeError) as exc:
+        raise RestoreError(f"{image_dir}/gpusnap.json is unreadable ({exc}); re-create the checkpoint") from None
+    bundle = (call.cwd / (call.inv.value("bundle") or ".")).absolute()
+    ref = ContainerRef(container_id=call.container_id, init_pid=0, bundle=bundle)
+    args, env = call.criu_args_env(criu)
+    marker = restore_marker(settings, call.container_id)
+    detached = call.inv.flag("detach")
+    runner = _Foreground(call, args, env) if not detached else None
+
+    def do_restore() -> None:
+        if runner is None:
+            rc = run_runc(call.runc, args, env=env).returncode
+            if rc != 0:
+                raise RuncFailed("runc restore", rc)
+        else:
+            runner.start_and_wait_running()
+        state = runc_state(call.runc, call.inv.global_opts, call.container_id, call.env)
+        if state is not None:
+            fill_ref(ref, state, settings.host)
+
+    def undo_restore() -> None:
+        # Whatever runc restored must not outlive a failed restore.
+        run_runc(call.runc, [*state_globals(call.inv.global_opts), "delete", "--force", call.container_id], capture=True, env=call.env)
+        if runner is not None:
+            runner.wait()
+
+    steps = [
+        *spec_steps,
+        marker_step(marker),
+        *plan.before_restore(image_dir, meta),
+        Step("runc restore", do_restore, undo_restore),
+        *plan.after_restore(ref, image_dir, meta),
+    ]
+    try:
+        run_steps(steps)
+    finally:
+        marker.unlink(missing_ok=True)
+    return 0 if runner is None else runner.wait()
+
+
+class _Foreground:
+    """runc restore without --detach: runc stays as the container's parent until it exits."""
+
+    def __init__(self, call: RuncCall, args: list[str], env: Mapping[str, str]) -> None:
+        self.call = call
+        self.args = args
+        self.env = dict(env)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.previous: dict[int, Callable[..., object] | int | None] = {}
+
+    def _forward(self, signum: int, _frame: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signum)
+
+    def start_and_wait_running(self) -> None:
+        # Popen's restore_signals resets SIGPIPE/SIGXFSZ, which Python ignores, for runc.
+        self.proc = subprocess.Popen([self.call.runc, *self.args], env=self.env, close_fds=False)
+        for name in _FORWARDED:
+            signum = getattr(signal, name)
+            self.previous[signum] = signal.signal(signum, self._forward)
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                if rc != 0:
+                    raise RuncFailed("runc restore", rc)
+                return  # restored and already exited: nothing left to wait for
+            state = runc_state(self.call.runc, self.call.inv.global_opts, self.call.container_id, self.call.env)
+            if state is not None and state.status in ("running", "paused"):
+                return
+            time.sleep(_POLL_S)
+
+    def wait(self) -> int:
+        """runc's exit status as a shell would report it (128+N when a signal ended it)."""
+        if self.proc is None:
+            return int(ExitCode.RESTORE_FAILED)
+        try:
+            while True:
+                try:
+                    rc = self.proc.wait()
+                    break
+                except InterruptedError:
+                    continue
+        finally:
+            for signum, handler in self.previous.items():
+                signal.signal(signum, handler)  # type: ignore[arg-type]
+            self.previous.clear()
+        return rc if rc >= 0 else 128 - rc
+
+
+def failure_exit_code(error: StepFailed, default: ExitCode) -> int:
+    """Exit status for a failed flow: runc's own when runc failed, else the cause's, else ``default``."""
+    if isinstance(error.cause, (GpusnapError,)) or error.undo_errors:
+        return int(error.exit_code)
+    return int(default)

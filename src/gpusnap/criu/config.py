@@ -1,0 +1,53 @@
+"""Per-container CRIU configuration files, named in the ``org.criu.config`` annotation.
+
+runc hands CRIU the file named by the container's ``org.criu.config`` annotation at checkpoint
+and at restore (otherwise /etc/criu/runc.conf), and CRIU lets it override what runc asked for
+over RPC. The shim owns one file per container under ``<run_dir>/criu/``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CRIU_CONFIG_ANNOTATION = "org.criu.config"
+# Set by the shim next to org.criu.config so a later pass (restore) knows the file is its own
+# and may rewrite it; a user's own org.criu.config is left alone.
+MANAGED_ANNOTATION = "gpusnap.io/criu-config"
+TCP_ESTABLISHED_ANNOTATION = "gpusnap.io/tcp-established"
+EXTRA_OPTIONS_ANNOTATION = "gpusnap.io/criu-options"  # comma-separated CRIU long options
+
+# Always on: dumping a process whose binary is mapped from an overlay lower layer fails without
+# it ("Can't create link remap ... Use link-remap option", see shared/ENVIRONMENT.md).
+BASE_OPTIONS = ("link-remap",)
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def criu_config_path(run_dir: Path, container_id: str) -> Path:
+    return run_dir / "criu" / f"{container_id}.conf"
+
+
+def options_from_annotations(annotations: dict[str, str]) -> list[str]:
+    """CRIU long options (without dashes) this container asks for through its annotations."""
+    options = list(BASE_OPTIONS)
+    if annotations.get(TCP_ESTABLISHED_ANNOTATION, "").strip().lower() in _TRUE:
+        options.append("tcp-established")
+    for extra in annotations.get(EXTRA_OPTIONS_ANNOTATION, "").split(","):
+        extra = extra.strip().lstrip("-")
+        if extra and extra not in options:
+            options.append(extra)
+    return options
+
+
+def render_config(options: list[str]) -> str:
+    # CRIU's config syntax: one long option per line, without the leading dashes.
+    return "# written by gpusnap-runtime\n" + "".join(f"{opt}\n" for opt in options)
+
+
+def write_config(path: Path, options: list[str]) -> None:
+    """Write the file atomically so a concurrent runc never reads half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(render_config(options))
+    tmp.replace(path)
