@@ -13,6 +13,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
+from gpusnap.errors import CheckpointError
 from gpusnap.metadata import CheckpointMetadata, GpuInfo, GpuProcess
 from gpusnap.steps import Step
 
@@ -24,6 +25,31 @@ class ProcessGpuState(str, Enum):
     LOCKED = "locked"
     CHECKPOINTED = "checkpointed"
     FAILED = "failed"
+
+
+class GpuCallError(CheckpointError):
+    """A driver checkpoint call failed for one process (``call`` on host PID ``pid``: ``code``)."""
+
+    def __init__(self, call: str, pid: int, code: str, hint: str = "") -> None:
+        self.call, self.pid, self.code = call, pid, code
+        super().__init__(f"GPU {call} of host PID {pid} failed: {code}" + (f"; {hint}" if hint else ""))
+
+
+class GpuLockTimeout(GpuCallError):
+    """The lock did not get in before its timeout: the process stays RUNNING."""
+
+
+class ProcessGone(GpuCallError):
+    """The process no longer exists (it exited, or runc checkpoint already stopped it)."""
+
+
+@dataclass
+class GpuStatus:
+    """A host GPU as restore's host check needs it."""
+
+    info: GpuInfo
+    memory_free_bytes: int
+    mig_enabled: bool = False
 
 
 class GpuBackend(Protocol):
@@ -49,6 +75,18 @@ class GpuBackend(Protocol):
         """Move the checkpointed state back onto the GPU(s), optionally onto other GPUs."""
 
     def unlock(self, host_pid: int) -> None: ...
+
+    def status(self) -> list[GpuStatus]:
+        """The host's GPUs with free memory and MIG mode (for restore's host check)."""
+
+    def process_memory(self, host_pid: int) -> dict[str, int]:
+        """GPU UUID -> bytes of device memory that ``host_pid`` holds now."""
+
+    def unsupported_reason(self, host_pid: int) -> str | None:
+        """Why this process's GPU state cannot be checkpointed (managed memory, MPS, MIG), or None."""
+
+    def supports_remap(self) -> bool:
+        """True when restore can move state onto GPUs with other UUIDs (driver >= 580)."""
 
 
 @dataclass
