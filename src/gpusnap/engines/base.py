@@ -1,0 +1,110 @@
+"""The one interface every container engine adapter implements.
+
+The CLI never talks to podman, docker or runc itself: it asks an :class:`Engine` to checkpoint a
+container into a local path (whose shape is the engine's *form*, the packaging ``form``) and to
+restore a container from such a path under a new name. Going through the engine keeps the
+engine's own bookkeeping right (podman's and docker's container lists, runc-direct's state).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpusnap.errors import MissingDependencyError
+
+# The packaging forms (see gpusnap.packaging.api): what an engine's checkpoint path holds.
+FORM_CRIU_DIR = "criu-dir"  # a CRIU image directory (runc-direct: plus the bundle record)
+FORM_PODMAN_ARCHIVE = "podman-archive"  # `podman container checkpoint --export` tar
+FORM_DOCKER_DIR = "docker-dir"  # docker's checkpoint directory plus the container's config
+
+
+@dataclass
+class ContainerInfo:
+    """What gpusnap needs to know about one container, whatever engine runs it."""
+
+    id: str
+    name: str
+    engine: str
+    image: str = ""
+    status: str = ""  # engine's word: running, exited, created, paused, stopped
+    pid: int = 0  # host PID of the container's init process; 0 when not running
+    created: str = ""  # RFC 3339
+    command: list[str] = field(default_factory=list)
+    bundle: str = ""  # OCI bundle directory, where the engine exposes it
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def running(self) -> bool:
+        return self.status == "running"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class CheckpointOptions:
+    leave_running: bool = False
+    tcp_established: bool = False
+    compress: bool = False  # engine-side compression where the engine offers it (podman)
+
+
+@dataclass
+class RestoreOptions:
+    name: str | None = None  # new container name; None = engine's choice / the original name
+    tcp_established: bool = False
+
+
+@dataclass
+class EngineCheckpoint:
+    """A checkpoint an engine wrote to a local path, in that engine's form."""
+
+    form: str
+    path: Path  # a directory (criu-dir, docker-dir) or a file (podman-archive)
+    image_dir: Path | None  # the CRIU image directory inside ``path`` when it is a directory
+    container: ContainerInfo
+
+
+class Engine(Protocol):
+    name: str
+    form: str
+
+    def available(self) -> bool:
+        """True when the engine's client exists and its daemon (if any) answers."""
+
+    def require(self) -> None:
+        """Raise MissingDependencyError with the fix when the engine cannot be used."""
+
+    def get(self, ref: str) -> ContainerInfo | None:
+        """The container named or identified by ``ref``, or None when this engine has none."""
+
+    def list(self) -> list[ContainerInfo]: ...
+
+    def checkpoint(self, container: ContainerInfo, dest: Path, opts: CheckpointOptions) -> EngineCheckpoint:
+        """Checkpoint into ``dest`` (not existing yet). On failure the container is left running."""
+
+    def restore(self, source: Path, opts: RestoreOptions) -> ContainerInfo:
+        """Restore the checkpoint at ``source`` (this engine's form) as a new container."""
+
+    def remove(self, container: ContainerInfo) -> None:
+        """Stop (kill) and delete the container and what the engine keeps for it."""
+
+    def is_running(self, container: ContainerInfo) -> bool: ...
+
+    def logs(self, container: ContainerInfo) -> str: ...
+
+
+def find_executable(name: str, *, hint: str) -> str:
+    """Absolute path of ``name`` on PATH, or a MissingDependencyError naming the fix."""
+    path = shutil.which(name)
+    if path is None:
+        raise MissingDependencyError(f"{name} not found on PATH; {hint}")
+    return path
+
+
+def rfc3339_now() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")

@@ -1,0 +1,581 @@
+"""runc-direct: gpusnap's embedded engine, for hosts without podman or docker.
+
+It writes an OCI bundle per container under ``<run_dir>/engine/containers/<name>/`` and drives
+``gpusnap-runtime`` (or the real runc when the shim is not installed) with its own state root
+``<run_dir>/engine/runc``. The root filesystem is a directory the user names or, by default, a
+fresh static busybox tree. Container stdio are pipes copied into ``container.log`` by a small
+helper (see :mod:`gpusnap.engines.logcopy`): CRIU cannot dump host files the container opened,
+and runc reconnects external pipes at restore.
+
+Its checkpoint form is ``criu-dir``: the CRIU images plus ``runc-direct.json`` (the bundle's
+config.json and where its root filesystem came from), enough to rebuild the bundle elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpusnap.config import Settings
+from gpusnap.engines.base import (
+    FORM_CRIU_DIR,
+    CheckpointOptions,
+    ContainerInfo,
+    EngineCheckpoint,
+    RestoreOptions,
+    rfc3339_now,
+)
+from gpusnap.errors import (
+    CheckpointError,
+    GpusnapError,
+    MissingDependencyError,
+    NotFoundError,
+    RestoreError,
+    UsageError,
+)
+from gpusnap.steps import Step, run_steps
+
+NAME = "runc-direct"
+BUNDLE_RECORD = "runc-direct.json"
+BUSYBOX_ROOTFS = "busybox"  # the default root filesystem: a static busybox tree
+NETWORK_MODES = ("none", "bridge")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
+_DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass
+class RuncDirectRecord:
+    """What the engine keeps per container in ``state.json`` (and, minus host paths, in checkpoints)."""
+
+    name: str
+    command: list[str]
+    rootfs: str  # "busybox" or an absolute directory
+    network: str = "none"
+    env: list[str] = field(default_factory=list)
+    created: str = ""
+    status: str = "created"  # created | running | checkpointed | exited (runc's state wins when it has one)
+    logcopy_pid: int = 0
+    network_record: dict[str, Any] | None = None
+    restored_from: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RuncDirectRecord":
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def validate_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise UsageError(f"invalid container name {name!r}: use letters, digits, '_', '.', '-' (at most 128, not starting with a symbol)")
+    return name
+
+
+def busybox_binary() -> Path:
+    for cand in _BUSYBOX_CANDIDATES:
+        p = Path(cand)
+        if p.is_file():
+            return p
+    raise MissingDependencyError("busybox not found; install busybox-static (apt-get install busybox-static) or pass --rootfs DIR")
+
+
+def build_busybox_rootfs(dest: Path) -> None:
+    """A minimal root filesystem: a static busybox and a link per applet it offers."""
+    binary = busybox_binary()
+    probe = subprocess.run(["file", "-b", str(binary)], capture_output=True, text=True, check=False)
+    if probe.returncode == 0 and "dynamically linked" in probe.stdout:
+        raise MissingDependencyError(f"{binary} is dynamically linked; install busybox-static or pass --rootfs DIR")
+    for d in ("bin", "dev", "proc", "sys", "tmp", "etc", "root", "var"):
+        (dest / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(dest / "tmp", 0o1777)
+    shutil.copy2(binary, dest / "bin" / "busybox")
+    listing = subprocess.run([str(binary), "--list"], capture_output=True, text=True, check=True).stdout.split()
+    for applet in listing:
+        link = dest / "bin" / applet
+        if applet != "busybox" and not link.exists():
+            link.symlink_to("busybox")
+    (dest / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (dest / "etc" / "group").write_text("root:x:0:\n")
+    (dest / "etc" / "hostname").write_text("gpusnap\n")
+
+
+def make_spec(name: str, command: list[str], rootfs: Path, env: list[str], netns_path: str | None) -> dict[str, Any]:
+    """The OCI runtime config for a non-interactive container (stdio on pipes, no terminal)."""
+    caps = ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_SETUID", "CAP_SETGID", "CAP_NET_RAW"]
+    netns: dict[str, str] = {"type": "network"}
+    if netns_path:
+        netns["path"] = netns_path
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": command,
+            "env": [_DEFAULT_PATH_ENV, *env],
+            "cwd": "/",
+            "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": str(rootfs), "readonly": False},
+        "hostname": name[:63],
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        ],
+        "annotations": {"io.gpusnap.engine": NAME, "io.gpusnap.name": name},
+        "linux": {
+            "resources": {"devices": [{"allow": False, "access": "rwm"}]},
+            "namespaces": [{"type": "pid"}, netns, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
+            "maskedPaths": ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi"],
+            "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
+        },
+    }
+
+
+def runtime_command(settings: Settings) -> tuple[list[str], str]:
+    """The OCI runtime runc-direct drives and its name: gpusnap-runtime when installed, else runc.
+
+    The shim is what adds GPU state to checkpoints; the plain runc fallback keeps CPU
+    containers working while the shim is absent (doctor says so).
+    """
+    shim = shutil.which("gpusnap-runtime") or shutil.which("gpusnap-runtime", path=str(Path(sys.executable).parent))
+    if shim and importlib.util.find_spec("gpusnap.runtime_shim.main") is not None:
+        return [shim], "gpusnap-runtime"
+    runc = settings.runc or shutil.which("runc")
+    if not runc:
+        raise MissingDependencyError("runc not found; install it (apt-get install runc) or set GPUSNAP_RUNC")
+    args = [runc]
+    if settings.criu:
+        args += ["--criu", settings.criu]
+    return args, "runc"
+
+
+@dataclass
+class RuncDirectEngine:
+    settings: Settings
+    name: str = NAME
+    form: str = FORM_CRIU_DIR
+
+    # ---- layout -------------------------------------------------------------------------
+    @property
+    def home(self) -> Path:
+        return self.settings.run_dir / "engine"
+
+    @property
+    def runc_root(self) -> Path:
+        return self.home / "runc"
+
+    def container_dir(self, name: str) -> Path:
+        return self.home / "containers" / name
+
+    def _state_path(self, name: str) -> Path:
+        return self.container_dir(name) / "state.json"
+
+    def log_path(self, name: str) -> Path:
+        return self.container_dir(name) / "container.log"
+
+    def _load(self, name: str) -> RuncDirectRecord | None:
+        path = self._state_path(name)
+        if not path.is_file():
+            return None
+        return RuncDirectRecord.from_dict(json.loads(path.read_text()))
+
+    def _save(self, rec: RuncDirectRecord) -> None:
+        path = self._state_path(rec.name)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(rec), indent=2, sort_keys=True))
+        tmp.replace(path)
+
+    # ---- runtime calls --------------------------------------------------------------------
+    def _runtime(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        base, _ = runtime_command(self.settings)
+        kw.setdefault("capture_output", True)
+        return subprocess.run([*base, "--root", str(self.runc_root), *args], text=True, check=False, timeout=kw.pop("timeout", 300), **kw)
+
+    def _runtime_state(self, name: str) -> dict[str, Any] | None:
+        if not (self.runc_root / name).exists():
+            return None
+        proc = self._runtime("state", name, timeout=60)
+        if proc.returncode != 0:
+            return None
+        return json.loads(proc.stdout)
+
+    # ---- Engine interface -------------------------------------------------------------------
+    def available(self) -> bool:
+        try:
+            self.require()
+            return True
+        except MissingDependencyError:
+            return False
+
+    def require(self) -> None:
+        runtime_command(self.settings)
+
+    def runtime_name(self) -> str:
+        return runtime_command(self.settings)[1]
+
+    def _info(self, rec: RuncDirectRecord) -> ContainerInfo:
+        state = self._runtime_state(rec.name)
+        status = rec.status
+        pid = 0
+        if state is not None:
+            status = state.get("status", status)
+            pid = int(state.get("pid") or 0) if status == "running" else 0
+        elif status in ("running", "created", "paused"):
+            status = "exited"  # runc no longer knows it: its processes are gone
+        return ContainerInfo(
+            id=rec.name,
+            name=rec.name,
+            engine=self.name,
+            image=rec.rootfs,
+            status=status,
+            pid=pid,
+            created=rec.created,
+            command=list(rec.command),
+            bundle=str(self.container_dir(rec.name) / "bundle"),
+            labels={"network": rec.network},
+        )
+
+    def get(self, ref: str) -> ContainerInfo | None:
+        if not _NAME_RE.match(ref):
+            return None
+        rec = self._load(ref)
+        return self._info(rec) if rec else None
+
+    def list(self) -> list[ContainerInfo]:
+        root = self.home / "containers"
+        if not root.is_dir():
+            return []
+        out = []
+        for d in sorted(root.iterdir()):
+            rec = self._load(d.name)
+            if rec is not None:
+                out.append(self._info(rec))
+        return out
+
+    def run(self, name: str, command: list[str], *, rootfs: str = BUSYBOX_ROOTFS, network: str = "none", env: list[str] | None = None) -> ContainerInfo:
+        """Create and start a container; on any failure everything made so far is taken back."""
+        validate_name(name)
+        if not command:
+            raise UsageError("no command given; pass the program to run after the options, e.g. `gpusnap run NAME -- sh -c '...'`")
+        if network not in NETWORK_MODES:
+            raise UsageError(f"unknown network {network!r}; use one of {', '.join(NETWORK_MODES)}")
+        if rootfs != BUSYBOX_ROOTFS:
+            src = Path(rootfs).resolve()
+            if not src.is_dir():
+                raise NotFoundError(f"root filesystem {rootfs} is not a directory; pass an unpacked root filesystem or leave --rootfs out for busybox")
+            rootfs = str(src)
+        self.require()
+        if self._load(name) is not None or (self.runc_root / name).exists():
+            raise UsageError(f"a runc-direct container named {name} already exists; pick another name or `gpusnap rm {name}`")
+        rec = RuncDirectRecord(name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now())
+        self._start(rec, restore_from=None)
+        info = self.get(name)
+        assert info is not None
+        return info
+
+    def _prepare_bundle(self, rec: RuncDirectRecord, spec: dict[str, Any] | None) -> list[Step]:
+        cdir = self.container_dir(rec.name)
+        bundle = cdir / "bundle"
+        steps: list[Step] = []
+
+        def make_dirs() -> None:
+            cdir.mkdir(parents=True)
+            bundle.mkdir()
+            self._save(rec)
+
+        steps.append(Step("create the bundle directory", make_dirs, lambda: shutil.rmtree(cdir, ignore_errors=True)))
+        if rec.rootfs == BUSYBOX_ROOTFS:
+            steps.append(Step("build the busybox root filesystem", lambda: build_busybox_rootfs(bundle / "rootfs")))
+        steps.append(Step("set up the network", lambda: self._network_up(rec), lambda: self._network_down(rec)))
+
+        def write_spec() -> None:
+            root = bundle / "rootfs" if rec.rootfs == BUSYBOX_ROOTFS else Path(rec.rootfs)
+            netns = (rec.network_record or {}).get("netns_path")
+            cfg = make_spec(rec.name, rec.command, root, rec.env, netns) if spec is None else _retarget_spec(spec, rec.name, root, netns)
+            (bundle / "config.json").write_text(json.dumps(cfg, indent=2))
+
+        steps.append(Step("write config.json", write_spec))
+        return steps
+
+    def _network_up(self, rec: RuncDirectRecord) -> None:
+        if rec.network == "none":
+            return
+        manager = _network_manager(self.settings)
+        if rec.network_record:
+            rec.network_record = _record_to_dict(manager.recreate(_record_from_dict(rec.network_record)))
+        else:
+            rec.network_record = _record_to_dict(manager.create(rec.name, _network_request(rec.network)))
+        self._save(rec)
+
+    def _network_down(self, rec: RuncDirectRecord) -> None:
+        if rec.network == "none" or not rec.network_record:
+            return
+        _network_manager(self.settings).remove(rec.name)
+
+    def _start(self, rec: RuncDirectRecord, restore_from: Path | None, spec: dict[str, Any] | None = None, tcp_established: bool = False) -> None:
+        bundle = self.container_dir(rec.name) / "bundle"
+        pipes: dict[str, int] = {}
+
+        def spawn_logcopy() -> None:
+            r, w = os.pipe()
+            in_r, in_w = os.pipe()
+            os.close(in_w)  # stdin reads EOF: these containers are not interactive
+            pipes.update(out_r=r, out_w=w, in_r=in_r)
+            helper = subprocess.Popen(
+                [sys.executable, "-m", "gpusnap.engines.logcopy", str(self.log_path(rec.name))],
+                stdin=r,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+            )
+            os.close(r)
+            rec.logcopy_pid = helper.pid
+            self._save(rec)
+
+        def stop_logcopy() -> None:
+            for key in ("out_w", "in_r"):
+                if key in pipes:
+                    _close_quietly(pipes.pop(key))
+            _kill_quietly(rec.logcopy_pid)
+
+        def start() -> None:
+            self.runc_root.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix=f"{rec.name}-", dir=self.container_dir(rec.name)))
+            # The container inherits runc's stdio, stderr included, so runc's own errors go to
+            # a log file rather than a pipe that would stay open as long as the container runs.
+            runtime_log = work / "runtime.log"
+            logging = ["--log", str(runtime_log), "--log-format", "json"]
+            if restore_from is None:
+                args = [*logging, "run", "--detach", "--bundle", str(bundle), rec.name]
+                what = "start"
+            else:
+                args = [*logging, "restore", "--detach", "--image-path", str(restore_from), "--work-path", str(work), "--bundle", str(bundle)]
+                if tcp_established:
+                    args.append("--tcp-established")
+                args.append(rec.name)
+                what = "restore"
+            try:
+                proc = self._runtime(*args, stdin=pipes["in_r"], stdout=pipes["out_w"], stderr=pipes["out_w"], capture_output=False)
+            finally:
+                stop_fds = [pipes.pop(k) for k in ("out_w", "in_r") if k in pipes]
+                for fd in stop_fds:
+                    _close_quietly(fd)
+            if proc.returncode != 0:
+                detail = _runtime_log_error(runtime_log) or _criu_log_tail(work)
+                err = RestoreError if restore_from is not None else GpusnapError
+                raise err(f"could not {what} {rec.name}: {detail}")
+            shutil.rmtree(work, ignore_errors=True)
+
+        def undo_start() -> None:
+            self._runtime("delete", "--force", rec.name, timeout=60)
+
+        def mark_running() -> None:
+            rec.status = "running"
+            self._save(rec)
+
+        steps = [
+            *self._prepare_bundle(rec, spec),
+            Step("start the log copier", spawn_logcopy, stop_logcopy),
+            Step("restore the container" if restore_from else "start the container", start, undo_start),
+            Step("record the container", mark_running),
+        ]
+        run_steps(steps)
+
+    def checkpoint(self, container: ContainerInfo, dest: Path, opts: CheckpointOptions) -> EngineCheckpoint:
+        rec = self._load(container.name)
+        if rec is None:
+            raise NotFoundError(f"no runc-direct container {container.name}; `gpusnap ps` lists them")
+        if not self.is_running(container):
+            raise CheckpointError(f"{container.name} is not running ({container.status}); only running containers can be checkpointed")
+        dest.mkdir(parents=True)
+        work = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name)))
+        args = ["checkpoint", "--image-path", str(dest), "--work-path", str(work)]
+        if opts.leave_running:
+            args.append("--leave-running")
+        if opts.tcp_established:
+            args.append("--tcp-established")
+        proc = self._runtime(*args, rec.name)
+        if proc.returncode != 0:
+            detail = _last_error_line(proc.stderr) or _criu_log_tail(work)
+            shutil.rmtree(dest, ignore_errors=True)
+            still = "still runs" if self.is_running(container) else "is no longer running"
+            raise CheckpointError(f"could not checkpoint {rec.name}: {detail}; the container {still} (CRIU logs: {work})")
+        shutil.rmtree(work, ignore_errors=True)
+        spec = json.loads((self.container_dir(rec.name) / "bundle" / "config.json").read_text())
+        portable = {"record": {**asdict(rec), "status": "running", "logcopy_pid": 0}, "spec": spec}
+        (dest / BUNDLE_RECORD).write_text(json.dumps(portable, indent=2, sort_keys=True))
+        if not opts.leave_running:
+            # runc deleted the container after dumping it; keep the record so `ps` shows it.
+            rec.status = "checkpointed"
+            self._save(rec)
+        return EngineCheckpoint(form=self.form, path=dest, image_dir=dest, container=container)
+
+    def restore(self, source: Path, opts: RestoreOptions) -> ContainerInfo:
+        record_path = source / BUNDLE_RECORD
+        if not record_path.is_file():
+            raise RestoreError(f"{source} is not a runc-direct checkpoint (no {BUNDLE_RECORD}); pick --engine to match it")
+        saved = json.loads(record_path.read_text())
+        old = RuncDirectRecord.from_dict(saved["record"])
+        name = validate_name(opts.name or old.name)
+        self.require()
+        if self._load(name) is not None or (self.runc_root / name).exists():
+            raise UsageError(f"a runc-direct container named {name} already exists; restore with --name NEW or `gpusnap rm {name}`")
+        if old.rootfs != BUSYBOX_ROOTFS and not Path(old.rootfs).is_dir():
+            raise RestoreError(f"the checkpoint's root filesystem {old.rootfs} is not on this host; copy it there first")
+        rec = RuncDirectRecord(
+            name=name,
+            command=old.command,
+            rootfs=old.rootfs,
+            network=old.network,
+            env=old.env,
+            created=rfc3339_now(),
+            network_record=old.network_record if old.network != "none" else None,
+            restored_from=old.name,
+        )
+        self._start(rec, restore_from=source, spec=saved["spec"], tcp_established=opts.tcp_established)
+        info = self.get(name)
+        assert info is not None
+        return info
+
+    def remove(self, container: ContainerInfo) -> None:
+        rec = self._load(container.name)
+        if rec is None:
+            raise NotFoundError(f"no runc-direct container {container.name}; `gpusnap ps` lists them")
+        if (self.runc_root / rec.name).exists():
+            proc = self._runtime("delete", "--force", rec.name, timeout=120)
+            if proc.returncode != 0 and (self.runc_root / rec.name).exists():
+                raise GpusnapError(f"could not delete {rec.name}: {_last_error_line(proc.stderr)}; try `runc --root {self.runc_root} delete -f {rec.name}`")
+        self._network_down(rec)
+        _wait_gone(rec.logcopy_pid)
+        shutil.rmtree(self.container_dir(rec.name), ignore_errors=True)
+
+    def is_running(self, container: ContainerInfo) -> bool:
+        state = self._runtime_state(container.name)
+        return bool(state and state.get("status") == "running")
+
+    def logs(self, container: ContainerInfo) -> str:
+        path = self.log_path(container.name)
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def _retarget_spec(spec: dict[str, Any], name: str, rootfs: Path, netns_path: str | None) -> dict[str, Any]:
+    spec = json.loads(json.dumps(spec))
+    spec["root"]["path"] = str(rootfs)
+    spec.setdefault("annotations", {})["io.gpusnap.name"] = name
+    for ns in spec.get("linux", {}).get("namespaces", []):
+        if ns.get("type") == "network":
+            ns.pop("path", None)
+            if netns_path:
+                ns["path"] = netns_path
+    return spec
+
+
+def _network_manager(settings: Settings) -> Any:
+    try:
+        from gpusnap.network import NetworkManager  # type: ignore[attr-defined]
+    except ImportError:
+        raise MissingDependencyError("bridge networking is not available in this gpusnap build; use --network none") from None
+    return NetworkManager(settings)
+
+
+def _network_request(mode: str) -> Any:
+    from gpusnap import network
+
+    request_cls = getattr(network, "NetworkRequest", None)
+    return request_cls() if request_cls else {"mode": mode}
+
+
+def _record_to_dict(record: Any) -> dict[str, Any]:
+    if hasattr(record, "to_dict"):
+        return record.to_dict()
+    return asdict(record)
+
+
+def _record_from_dict(data: dict[str, Any]) -> Any:
+    from gpusnap import network
+
+    record_cls = getattr(network, "NetworkRecord")
+    if hasattr(record_cls, "from_dict"):
+        return record_cls.from_dict(data)
+    return record_cls(**data)
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _kill_quietly(pid: int) -> None:
+    if pid > 0:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_gone(pid: int, timeout: float = 5.0) -> None:
+    """The log copier ends by itself once the container's pipe closes; stop it if it lingers."""
+    if pid <= 0:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    _kill_quietly(pid)
+
+
+def _last_error_line(stderr: str | None) -> str:
+    lines = [ln.strip() for ln in (stderr or "").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        m = re.search(r'msg="(.*)"', ln)
+        if m:
+            return m.group(1)
+    return lines[-1] if lines else ""
+
+
+def _criu_log_tail(work: Path) -> str:
+    for log in ("dump.log", "restore.log"):
+        p = work / log
+        if p.is_file():
+            errs = [ln for ln in p.read_text(errors="replace").splitlines() if "Error" in ln]
+            if errs:
+                return errs[-1].strip()
+    return "see the CRIU log in " + str(work)
+
+
+def _runtime_log_error(path: Path) -> str:
+    """The last error runc wrote to its --log file (JSON lines: {"level","msg"})."""
+    if not path.is_file():
+        return ""
+    last = ""
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("level") in ("error", "fatal"):
+            last = str(entry.get("msg", ""))
+    return last
