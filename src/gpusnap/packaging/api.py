@@ -1,0 +1,354 @@
+"""The packaging API other parts of gpusnap call (see docs/DESIGN.md and docs/artifact-format.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpusnap.errors import NotFoundError, UsageError
+from gpusnap.metadata import CheckpointMetadata
+from gpusnap.packaging import artifact as fmt
+from gpusnap.packaging.progress import Progress
+from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, Descriptor, OciStore, normalize_ref
+
+__all__ = [
+    "ArtifactInfo",
+    "LayerInfo",
+    "PushResult",
+    "StoredCheckpoint",
+    "inspect",
+    "inspect_path",
+    "list_checkpoints",
+    "materialize_checkpoint",
+    "pull",
+    "push",
+    "remove",
+    "gc",
+    "store_checkpoint",
+    "tag",
+    "make_podman_image",
+]
+
+
+@dataclass
+class StoredCheckpoint:
+    ref: str
+    digest: str  # manifest digest
+    size: int  # total bytes referenced by the manifest (config + layers)
+    new_bytes: int  # bytes that were not in the store before (what dedup did not save)
+    layers: int
+
+
+@dataclass
+class PushResult:
+    remote: str  # the reference pushed to, with its tag
+    digest: str
+    uploaded_bytes: int
+    skipped_bytes: int  # blobs the registry already had (HEAD) or mounted from another repository
+    mounted_blobs: int
+    blobs: int
+    seconds: float
+
+
+@dataclass
+class LayerInfo:
+    media_type: str
+    digest: str
+    size: int
+    role: str
+    file: str = ""
+    count: int = 1  # chunk layers of one file are summarised as one row
+
+
+@dataclass
+class ArtifactInfo:
+    ref: str
+    digest: str
+    form: str
+    container: dict[str, str]
+    image: dict[str, str]
+    engine: dict[str, str]
+    runtime: dict[str, str]
+    created: str
+    criu_version: str
+    kernel: str
+    arch: str
+    sizes: dict[str, int]
+    stored_size: int
+    layers: list[LayerInfo]
+    process_tree: list[dict[str, Any]]
+    gpus: list[dict[str, Any]]
+    gpu_processes: list[dict[str, Any]]
+    timings: dict[str, float]
+    parent: str | None
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _check_form(form: str) -> None:
+    if form not in fmt.FORMS:
+        raise UsageError(f"unknown checkpoint form {form!r}; use one of {', '.join(fmt.FORMS)}")
+
+
+def store_checkpoint(
+    store_dir: Path,
+    source: Path,
+    *,
+    form: str,
+    ref: str,
+    metadata: CheckpointMetadata | dict[str, Any] | None = None,
+    compress: bool = False,
+    parent: str | None = None,
+) -> StoredCheckpoint:
+    """Package a checkpoint (directory or podman archive) as an artifact tagged ``ref`` in the store."""
+    _check_form(form)
+    source = Path(source)
+    ref = normalize_ref(ref)
+    store = OciStore(Path(store_dir))
+    if form == "podman-archive":
+        if not source.is_file():
+            raise NotFoundError(f"{source}: no such podman checkpoint archive")
+        entries = fmt.iter_archive(source)
+    else:
+        if not source.is_dir():
+            raise NotFoundError(f"{source}: no such checkpoint directory")
+        entries = fmt.iter_directory(source)
+    parent_digest = store.resolve(parent).digest if parent else None
+    with store.writing():
+        built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest)
+        store.tag(ref, Descriptor(MEDIA_OCI_MANIFEST, built.manifest_digest, built.manifest_size, artifact_type=fmt.ARTIFACT_TYPE))
+    total = built.manifest_size + sum(d.size for d in built.layers) + len(json.dumps(built.config))
+    return StoredCheckpoint(ref, built.manifest_digest, total, built.new_bytes, len(built.layers))
+
+
+def materialize_checkpoint(store_dir: Path, ref: str, dest: Path, *, form: str) -> Path:
+    """Rebuild a checkpoint from the store: a directory (criu-dir, docker-dir) or an archive file."""
+    _check_form(form)
+    store = OciStore(Path(store_dir))
+    art = fmt.load(store, store.resolve(ref).digest)
+    src_form = art.config.get("form")
+    dest = Path(dest)
+    if form == "podman-archive":
+        if src_form != "podman-archive":
+            raise UsageError(f"{ref} was made from a {src_form}; a podman archive needs podman's engine files — use --form criu-dir")
+        if dest.exists():
+            raise UsageError(f"{dest} already exists; choose a new path")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.partial-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                fmt.write_archive(fmt.iter_tree(store, art, None), out, fmt.archive_compression(dest))
+                out.flush()
+                os.fsync(out.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return dest
+    # criu-dir and docker-dir are the CRIU image directory (docker's adds nothing of its own).
+    prefix = None if src_form in ("criu-dir", "docker-dir") else art.config.get("criuDir", "")
+    return fmt.write_directory(fmt.iter_tree(store, art, prefix), dest)
+
+
+def _role(media_type: str) -> str:
+    base = fmt.base_media(media_type)
+    return {
+        fmt.MEDIA_CRIU: "criu",
+        fmt.MEDIA_ENGINE: "engine",
+        fmt.MEDIA_PAGES: "pages",
+        fmt.MEDIA_ROOTFS: "rootfs-diff",
+        fmt.MEDIA_DATA: "data",
+    }.get(base, "other")
+
+
+def _layer_rows(layers: list[Descriptor]) -> list[LayerInfo]:
+    rows: list[LayerInfo] = []
+    by_file: dict[str, LayerInfo] = {}
+    for d in layers:
+        role = _role(d.media_type)
+        name = d.annotations.get(fmt.A_FILE) or d.annotations.get(fmt.A_TITLE, "")
+        if fmt.is_chunk_media(d.media_type):
+            row = by_file.get(name)
+            if row is None:
+                row = by_file[name] = LayerInfo(d.media_type, d.digest, 0, role, name, 0)
+                rows.append(row)
+            row.size += d.size
+            row.count += 1
+        else:
+            rows.append(LayerInfo(d.media_type, d.digest, d.size, role, name))
+    return rows
+
+
+def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descriptor], annotations: dict[str, str]) -> ArtifactInfo:
+    gpusnap_meta = config.get("gpusnap") or {}
+    return ArtifactInfo(
+        ref=ref,
+        digest=digest,
+        form=config.get("form", ""),
+        container=config.get("container", {}),
+        image=config.get("image", {}),
+        engine=config.get("engine", {}),
+        runtime=config.get("runtime", {}),
+        created=config.get("created", ""),
+        criu_version=str(config.get("criuVersion", "")),
+        kernel=config.get("kernel", ""),
+        arch=config.get("arch", ""),
+        sizes=config.get("sizes", {}),
+        stored_size=sum(d.size for d in layers),
+        layers=_layer_rows(layers),
+        process_tree=config.get("processTree", []),
+        gpus=config.get("gpus", []) or gpusnap_meta.get("gpus", []),
+        gpu_processes=config.get("processes", []) or gpusnap_meta.get("processes", []),
+        timings=config.get("timings", {}) or gpusnap_meta.get("timings_s", {}),
+        parent=config.get("parent"),
+        annotations=annotations,
+    )
+
+
+def inspect(store_dir: Path, ref: str) -> ArtifactInfo:
+    store = OciStore(Path(store_dir))
+    desc = store.resolve(ref)
+    art = fmt.load(store, desc.digest)
+    return _info_from(ref, desc.digest, art.config, art.layers, art.manifest.get("annotations", {}))
+
+
+def inspect_path(path: Path, *, form: str | None = None) -> ArtifactInfo:
+    """Inspect a checkpoint on disk (a CRIU/docker directory or a podman archive) without storing it.
+
+    Builds the artifact in a throw-away store so the answer is exactly what ``store`` would record.
+    """
+    path = Path(path)
+    if form is None:
+        form = "criu-dir" if path.is_dir() else "podman-archive"
+    with tempfile.TemporaryDirectory(prefix="gpusnap-inspect-") as tmp:
+        stored = store_checkpoint(Path(tmp), path, form=form, ref="inspect:latest")
+        info = inspect(Path(tmp), "inspect:latest")
+        info.ref = str(path)
+        info.digest = stored.digest
+        return info
+
+
+def list_checkpoints(store_dir: Path) -> list[dict[str, Any]]:
+    store = OciStore(Path(store_dir))
+    rows = []
+    for t in store.tags():
+        row: dict[str, Any] = {"ref": t.ref, "digest": t.descriptor.digest, "type": t.descriptor.artifact_type or t.descriptor.media_type}
+        try:
+            m = store.manifest(t.descriptor.digest)
+            layers = [Descriptor.from_dict(x) for x in m.get("layers", [])]
+            row["size"] = sum(d.size for d in layers)
+            row["layers"] = len(layers)
+            row["created"] = (m.get("annotations") or {}).get(fmt.A_CREATED, "")
+            row["container"] = (m.get("annotations") or {}).get("org.criu.checkpoint.container.name", "")
+        except Exception as exc:  # noqa: BLE001 - one broken entry must not hide the others
+            row.update(size=0, layers=0, created="", container=f"(unreadable: {exc})")
+        rows.append(row)
+    return rows
+
+
+def tag(store_dir: Path, ref: str, new_ref: str) -> str:
+    store = OciStore(Path(store_dir))
+    store.tag(new_ref, store.resolve(ref))
+    return normalize_ref(new_ref)
+
+
+def remove(store_dir: Path, ref: str) -> str:
+    """Untag ``ref`` (blobs stay until :func:`gc`, which keeps those other tags still use)."""
+    return OciStore(Path(store_dir)).untag(ref).digest
+
+
+def gc(store_dir: Path) -> tuple[int, int]:
+    return OciStore(Path(store_dir)).gc()
+
+
+# ---- podman-compatible checkpoint image ---------------------------------------------------------
+PODMAN_ANNOTATIONS = {
+    "name": ("container", "name"),
+    "rootfsImageName": ("image", "name"),
+    "rawImageName": ("image", "name"),
+    "rootfsImageID": ("image", "id"),
+    "runtime.name": ("runtime", "name"),
+    "runtime.version": ("runtime", "version"),
+}
+
+
+def make_podman_image(store_dir: Path, ref: str, image_ref: str) -> StoredCheckpoint:
+    """Make the podman checkpoint image of a podman artifact: one uncompressed layer holding the
+    export's files, with podman's ``io.podman.annotations.checkpoint.*`` annotations, so that
+    ``podman container restore IMAGE`` restores it. Tagged ``image_ref`` in the store."""
+    store = OciStore(Path(store_dir))
+    art = fmt.load(store, store.resolve(ref).digest)
+    if art.config.get("form") != "podman-archive":
+        raise UsageError(f"{ref} was made from a {art.config.get('form')}; only podman checkpoints can become podman checkpoint images")
+    image_ref = normalize_ref(image_ref)
+    with store.writing():
+        w = store.writer()
+        try:
+            fmt.write_archive(fmt.iter_tree(store, art, None), w, "none")  # type: ignore[arg-type]
+            layer_digest = w.commit()
+        except BaseException:
+            w.abort()
+            raise
+        layer_size = store.blob_path(layer_digest).stat().st_size
+        cfg = art.config
+        image_config = {
+            "created": cfg.get("created"),
+            "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(cfg.get("arch", ""), cfg.get("arch", "amd64")),
+            "os": "linux",
+            "config": {},
+            "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+            "history": [{"created": cfg.get("created"), "created_by": "gpusnap checkpoint image"}],
+        }
+        config_bytes = json.dumps(image_config, sort_keys=True).encode()
+        config_digest = store.put_bytes(config_bytes)
+        annotations = {f"io.podman.annotations.checkpoint.{k}": cfg.get(a, {}).get(b, "") for k, (a, b) in PODMAN_ANNOTATIONS.items()}
+        gm = cfg.get("gpusnap") or {}
+        annotations.update({
+            "io.podman.annotations.checkpoint.criu.version": str(cfg.get("criuVersion", "")),
+            "io.podman.annotations.checkpoint.host.arch": cfg.get("arch", ""),
+            "io.podman.annotations.checkpoint.host.kernel": cfg.get("kernel", ""),
+            "io.podman.annotations.checkpoint.podman.version": cfg.get("engine", {}).get("version", "") or gm.get("extra", {}).get("engine_version", ""),
+            fmt.A_CREATED: cfg.get("created", ""),
+        })
+        annotations = {k: v for k, v in annotations.items() if v}
+        annotations.setdefault("io.podman.annotations.checkpoint.name", cfg.get("container", {}).get("id", "checkpoint"))
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": MEDIA_OCI_MANIFEST,
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": len(config_bytes)},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": layer_size}],
+            "annotations": annotations,
+        }
+        data = json.dumps(manifest, separators=(",", ":")).encode()
+        digest = store.put_bytes(data)
+        store.tag(image_ref, Descriptor(MEDIA_OCI_MANIFEST, digest, len(data)))
+    return StoredCheckpoint(image_ref, digest, layer_size + len(config_bytes), layer_size, 1)
+
+
+# Re-exported here because they are part of the packaging API (registry.py holds the code).
+def push(store_dir: Path, ref: str, remote: str, *, insecure: bool = False, progress: Progress | None = None, subject: str | None = None) -> PushResult:
+    """Upload the artifact ``ref`` to ``remote`` (``host[:port]/repo[:tag]``).
+
+    ``subject``: an image reference in the same repository (e.g. the application image); the
+    artifact is attached to it through the manifest's ``subject`` and the referrers API.
+    """
+    from gpusnap.packaging.registry import push_artifact
+
+    return push_artifact(OciStore(Path(store_dir)), ref, remote, insecure=insecure, progress=progress, subject=subject)
+
+
+def pull(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None) -> str:
+    """Download ``remote`` into the store, verifying every byte; returns the local ref (= ``remote``)."""
+    from gpusnap.packaging.registry import pull_artifact
+
+    return pull_artifact(OciStore(Path(store_dir)), remote, insecure=insecure, progress=progress)
+

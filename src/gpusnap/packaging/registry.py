@@ -1,0 +1,653 @@
+"""An OCI distribution client for checkpoint push and pull, on ``requests``.
+
+Why not oras-py (checked: oras 0.2.43): its plain upload does ``fd.read()`` of the whole blob
+into memory (a 10 GB checkpoint would need 10 GB of RAM), its download writes without checking
+the digest, and it has no cross-repository mount, no resumable uploads, no parallel transfers
+and no referrers fallback. Those are exactly what moving multi-GB checkpoints needs, so this
+module implements the distribution API directly:
+
+* auth: anonymous, Basic, and Bearer tokens (``WWW-Authenticate`` challenge → token endpoint
+  with the user's credentials, see auth.py), cached per scope;
+* push: HEAD first (skip what the registry has), cross-repo mount from repositories this store
+  pushed to or pulled from, monolithic PUT for small blobs, chunked PATCH for large ones with
+  resume from the registry's reported offset after a failure, several blobs in parallel, every
+  body streamed from disk (memory bounded by the chunk size, not the blob size);
+* pull: blobs streamed into the store's ingest area with the digest computed on the fly; a blob
+  becomes visible only when its digest and size match; interrupted downloads resume with a
+  Range request;
+* retries with exponential backoff on connection errors, 429 and 5xx.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlencode, urljoin, urlsplit
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, RegistryError, UsageError
+from gpusnap.packaging.auth import AuthSources, Credentials, find_credentials
+from gpusnap.packaging.progress import Progress, default_progress
+from gpusnap.packaging.store import (
+    MEDIA_DOCKER_LIST,
+    MEDIA_DOCKER_MANIFEST,
+    MEDIA_OCI_INDEX,
+    MEDIA_OCI_MANIFEST,
+    Descriptor,
+    OciStore,
+    sha256_digest,
+    validate_digest,
+)
+
+MANIFEST_ACCEPT = ", ".join([MEDIA_OCI_MANIFEST, MEDIA_OCI_INDEX, MEDIA_DOCKER_MANIFEST, MEDIA_DOCKER_LIST])
+MONOLITHIC_LIMIT = 32 << 20  # blobs up to this size go in one streamed PUT
+PATCH_SIZE = 64 << 20  # larger blobs go in PATCH requests of this size (resume granularity)
+READ_SIZE = 1 << 20
+MAX_MANIFEST = 16 << 20
+WORKERS = 8
+
+_REF_RE = re.compile(r"^(?P<name>[a-z0-9]+(?:[._\-/][a-z0-9]+)*)(?::(?P<tag>[\w][\w.\-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
+
+
+@dataclass(frozen=True)
+class RemoteRef:
+    registry: str
+    repository: str
+    tag: str | None = None
+    digest: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "RemoteRef":
+        first, _, rest = text.partition("/")
+        if rest and ("." in first or ":" in first or first == "localhost"):
+            registry, path = first, rest
+        else:
+            registry, path = "docker.io", text if "/" in text else f"library/{text}"
+        m = _REF_RE.match(path)
+        if not m:
+            raise UsageError(f"invalid registry reference {text!r}; use HOST[:PORT]/REPOSITORY[:TAG|@sha256:DIGEST]")
+        tag = m.group("tag")
+        if not tag and not m.group("digest"):
+            tag = "latest"
+        return cls(registry, m.group("name"), tag, m.group("digest"))
+
+    @property
+    def reference(self) -> str:
+        return self.digest or self.tag or "latest"
+
+    def __str__(self) -> str:
+        s = f"{self.registry}/{self.repository}"
+        if self.tag:
+            s += f":{self.tag}"
+        if self.digest:
+            s += f"@{self.digest}"
+        return s
+
+
+def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    scheme, _, rest = header.strip().partition(" ")
+    params = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+    return scheme.lower(), params
+
+
+class RegistryClient:
+    """One registry host; thread-safe for the parallel transfers of one push or pull."""
+
+    def __init__(
+        self,
+        registry: str,
+        *,
+        insecure: bool = False,
+        credentials: Credentials | None = None,
+        auth_sources: AuthSources | None = None,
+        retries: int = 6,
+        backoff_s: float = 0.5,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.registry = registry
+        self.base = f"{'http' if insecure else 'https'}://{registry}"
+        self.creds = credentials if credentials is not None else find_credentials(registry, auth_sources)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
+        self.session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=WORKERS * 2)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        self.session.headers["User-Agent"] = "gpusnap"
+        self._lock = threading.Lock()
+        self._auth: dict[str, str] = {}  # scope → Authorization header value
+        self._challenge: tuple[str, dict[str, str]] | None = None
+
+    # ---- auth ---------------------------------------------------------------------------------
+    def _authorize(self, scope: str, challenge_header: str) -> None:
+        scheme, params = _parse_challenge(challenge_header)
+        with self._lock:
+            self._challenge = (scheme, params)
+        if scheme == "basic":
+            if not self.creds or not (self.creds.username or self.creds.password):
+                raise RegistryError(f"{self.registry} requires a login; run `docker login {self.registry}` or `podman login {self.registry}`")
+            value = requests.auth._basic_auth_str(self.creds.username, self.creds.password)  # type: ignore[attr-defined]
+        elif scheme == "bearer":
+            value = "Bearer " + self._fetch_token(params, scope)
+        else:
+            raise RegistryError(f"{self.registry} asks for unsupported auth scheme {scheme!r}")
+        with self._lock:
+            self._auth[scope] = value
+
+    def _fetch_token(self, params: dict[str, str], scope: str) -> str:
+        realm = params.get("realm")
+        if not realm:
+            raise RegistryError(f"{self.registry}: bearer challenge without a realm; the registry is misconfigured")
+        query: dict[str, Any] = {"service": params.get("service", "")}
+        if scope:
+            query["scope"] = scope.split()  # several scopes (a mount) are repeated parameters
+        try:
+            if self.creds and self.creds.identity_token:
+                r = self.session.post(realm, data={**query, "grant_type": "refresh_token", "refresh_token": self.creds.identity_token,
+                                                   "client_id": "gpusnap"}, timeout=self.timeout_s)
+            else:
+                auth = (self.creds.username, self.creds.password) if self.creds and self.creds.username else None
+                r = self.session.get(realm, params=query, auth=auth, timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            raise RegistryError(f"cannot reach the token service of {self.registry} ({realm}): {exc}") from None
+        if r.status_code in (401, 403):
+            raise RegistryError(self._denied_message(r.status_code))
+        if r.status_code != 200:
+            raise RegistryError(f"token service of {self.registry} answered HTTP {r.status_code}")
+        body = r.json()
+        token = body.get("token") or body.get("access_token")
+        if not token:
+            raise RegistryError(f"token service of {self.registry} returned no token")
+        return str(token)
+
+    def _denied_message(self, status: int) -> str:
+        if self.creds:
+            return (f"{self.registry} refused the credentials from {self.creds.source or 'the caller'} (HTTP {status}); "
+                    f"check the user name and password, or log in again with `docker login {self.registry}`")
+        return f"{self.registry} requires a login (HTTP {status}); run `docker login {self.registry}` or `podman login {self.registry}`"
+
+    # ---- requests with auth and retries -------------------------------------------------------
+    def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        scope: str,
+        headers: dict[str, str] | None = None,
+        body: Callable[[], Any] | None = None,
+        stream: bool = False,
+        ok: tuple[int, ...] = (200,),
+        allow: tuple[int, ...] = (),
+        retry: bool = True,
+    ) -> requests.Response:
+        """Send with auth; ``body`` is a factory so a retry sends a fresh stream, not a spent one."""
+        if not url.startswith("http"):
+            url = self.base + url
+        attempts = self.retries if retry else 1
+        authed_once = False
+        last_exc: Exception | None = None
+        attempt = 0
+        while attempt < attempts:
+            h = dict(headers or {})
+            with self._lock:
+                if scope in self._auth:
+                    h["Authorization"] = self._auth[scope]
+            try:
+                r = self.session.request(method, url, headers=h, data=body() if body else None, stream=stream,
+                                         timeout=self.timeout_s, allow_redirects=True)
+            except requests.RequestException as exc:
+                last_exc = exc
+                attempt += 1
+                if attempt < attempts:
+                    time.sleep(self.backoff_s * (2 ** (attempt - 1)))
+                continue
+            if r.status_code == 401 and not authed_once:
+                authed_once = True
+                challenge = r.headers.get("WWW-Authenticate", "")
+                r.close()
+                if not challenge:
+                    raise RegistryError(self._denied_message(401))
+                self._authorize(scope, challenge)
+                continue
+            if r.status_code in (401, 403):
+                r.close()
+                raise RegistryError(self._denied_message(r.status_code))
+            if r.status_code in ok or r.status_code in allow:
+                return r
+            if (r.status_code == 429 or r.status_code >= 500) and attempt + 1 < attempts:
+                r.close()
+                attempt += 1
+                time.sleep(self.backoff_s * (2 ** (attempt - 1)))
+                continue
+            raise RegistryError(f"{method} {urlsplit(url).path} on {self.registry}: HTTP {r.status_code} {_error_text(r)}")
+        raise RegistryError(f"cannot reach registry {self.registry} ({last_exc}); check the address and that it is up"
+                            f"{'' if self.base.startswith('http:') else ', or use --insecure for a plain-HTTP registry'}")
+
+    # ---- manifests ----------------------------------------------------------------------------
+    def get_manifest(self, repo: str, reference: str) -> tuple[bytes, str, str]:
+        """(bytes, media type, digest) — the digest is computed here, never taken on trust."""
+        r = self.request("GET", f"/v2/{repo}/manifests/{reference}", scope=f"repository:{repo}:pull",
+                         headers={"Accept": MANIFEST_ACCEPT}, stream=True, allow=(404,))
+        with r:
+            if r.status_code == 404:
+                raise NotFoundError(f"{self.registry}/{repo}:{reference} does not exist in the registry")
+            data = _read_limited(r, MAX_MANIFEST)
+        digest = sha256_digest(data)
+        if reference.startswith("sha256:") and digest != reference:
+            raise IntegrityError(f"manifest from {self.registry}/{repo}@{reference} has digest {digest}; refusing it")
+        media = r.headers.get("Content-Type", "").split(";")[0] or json.loads(data).get("mediaType", MEDIA_OCI_MANIFEST)
+        return data, media, digest
+
+    def put_manifest(self, repo: str, reference: str, data: bytes, media_type: str) -> requests.Response:
+        return self.request("PUT", f"/v2/{repo}/manifests/{reference}", scope=f"repository:{repo}:pull,push",
+                            headers={"Content-Type": media_type}, body=lambda: data, ok=(201, 200))
+
+    # ---- blobs --------------------------------------------------------------------------------
+    def blob_exists(self, repo: str, digest: str) -> bool:
+        r = self.request("HEAD", f"/v2/{repo}/blobs/{digest}", scope=f"repository:{repo}:pull,push", allow=(404,))
+        r.close()
+        return r.status_code == 200
+
+    def _location(self, r: requests.Response) -> str:
+        loc = r.headers.get("Location")
+        if not loc:
+            raise RegistryError(f"{self.registry} started an upload without a Location header")
+        return urljoin(self.base + "/", loc)
+
+    def try_mount(self, repo: str, digest: str, from_repo: str) -> tuple[bool, str | None]:
+        """(mounted, upload URL the registry opened instead, if any)."""
+        scope = f"repository:{repo}:pull,push repository:{from_repo}:pull"
+        r = self.request("POST", f"/v2/{repo}/blobs/uploads/?{urlencode({'mount': digest, 'from': from_repo})}",
+                         scope=scope, ok=(201, 202))
+        r.close()
+        return (True, None) if r.status_code == 201 else (False, self._location(r))
+
+    def start_upload(self, repo: str) -> str:
+        r = self.request("POST", f"/v2/{repo}/blobs/uploads/", scope=f"repository:{repo}:pull,push", ok=(202,))
+        r.close()
+        return self._location(r)
+
+    def upload_blob(self, repo: str, desc: Descriptor, path: Path, progress: Progress, upload_url: str | None = None) -> None:
+        scope = f"repository:{repo}:pull,push"
+        url = upload_url or self.start_upload(repo)
+        if desc.size <= MONOLITHIC_LIMIT:
+            sent = [0]
+
+            def body() -> _FileBody:
+                sent[0] = 0
+                return _file_iter(path, 0, desc.size, progress, sent)
+
+            for attempt in range(self.retries):
+                try:
+                    r = self.request("PUT", _with_query(url, digest=desc.digest), scope=scope, body=body,
+                                     headers={"Content-Type": "application/octet-stream"},
+                                     ok=(201,), retry=False)
+                    r.close()
+                    return
+                except RegistryError:
+                    progress.advance(-sent[0])
+                    if attempt + 1 >= self.retries:
+                        raise
+                    time.sleep(self.backoff_s * (2 ** attempt))
+                    url = self._restart_upload(repo)
+            return
+        self._chunked_upload(repo, desc, path, progress, url)
+
+    def _restart_upload(self, repo: str) -> str:
+        return self.start_upload(repo)
+
+    def _upload_offset(self, url: str, scope: str) -> int | None:
+        """Bytes the registry holds for an upload session, or None if the session is gone."""
+        r = self.request("GET", url, scope=scope, ok=(204,), allow=(404,))
+        r.close()
+        if r.status_code == 404:
+            return None
+        rng = r.headers.get("Range", "")
+        m = re.match(r"^(?:bytes=)?0-(\d+)$", rng)
+        return int(m.group(1)) + 1 if m else 0
+
+    def _chunked_upload(self, repo: str, desc: Descriptor, path: Path, progress: Progress, url: str) -> None:
+        scope = f"repository:{repo}:pull,push"
+        offset = 0
+        failures = 0
+        while offset < desc.size:
+            n = min(PATCH_SIZE, desc.size - offset)
+            start = offset
+            sent = [0]
+            try:
+                r = self.request("PATCH", url, scope=scope, retry=False, ok=(202,),
+                                 body=lambda: _file_iter(path, start, n, progress, sent),
+                                 headers={"Content-Type": "application/octet-stream",
+                                          "Content-Range": f"{start}-{start + n - 1}"})
+                r.close()
+                url = self._location(r)
+                offset += n
+                failures = 0
+            except RegistryError:
+                progress.advance(-sent[0])
+                failures += 1
+                if failures >= self.retries:
+                    raise
+                time.sleep(self.backoff_s * (2 ** (failures - 1)))
+                # Ask the registry how much it kept and go on from there (the resume).
+                try:
+                    held = self._upload_offset(url, scope)
+                except RegistryError:
+                    continue
+                if held is None:
+                    url, held = self.start_upload(repo), 0
+                progress.advance(held - offset)
+                offset = held
+        r = self.request("PUT", _with_query(url, digest=desc.digest), scope=scope, ok=(201,), headers={"Content-Length": "0"})
+        r.close()
+
+    def download_blob(self, repo: str, desc: Descriptor, store: OciStore, progress: Progress) -> bool:
+        """Stream a blob into the store; True if it was added (False: it was already there)."""
+        if store.has_blob(desc.digest):
+            progress.advance(desc.size)
+            return False
+        scope = f"repository:{repo}:pull"
+        failures = 0
+        with store.writer() as w:
+            while True:
+                headers = {"Range": f"bytes={w.size}-"} if w.size else {}
+                try:
+                    r = self.request("GET", f"/v2/{repo}/blobs/{desc.digest}", scope=scope, stream=True, headers=headers,
+                                     ok=(200, 206), allow=(404,))
+                    with r:
+                        if r.status_code == 404:
+                            raise NotFoundError(f"blob {desc.digest} is missing from {self.registry}/{repo}")
+                        if w.size and r.status_code == 200:  # the server ignored Range: start over
+                            progress.advance(-w.size)
+                            w.abort()
+                            return self.download_blob(repo, desc, store, progress)
+                        for data in r.iter_content(READ_SIZE):
+                            if w.size + len(data) > desc.size:
+                                raise IntegrityError(f"blob {desc.digest} from {self.registry} is larger than its descriptor says; refusing it")
+                            w.write(data)
+                            progress.advance(len(data))
+                    if w.size < desc.size:
+                        raise requests.ConnectionError(f"stream ended at {w.size} of {desc.size} bytes")
+                    w.commit(desc.digest, desc.size)
+                    return True
+                except (requests.RequestException, RegistryError) as exc:
+                    failures += 1
+                    if failures >= self.retries:
+                        if isinstance(exc, GpusnapError):
+                            raise
+                        raise RegistryError(f"download of {desc.digest} from {self.registry} failed: {exc}") from None
+                    time.sleep(self.backoff_s * (2 ** (failures - 1)))
+
+
+def _error_text(r: requests.Response) -> str:
+    try:
+        errs = r.json().get("errors") or []
+        return "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errs) or r.reason
+    except ValueError:
+        return r.reason or ""
+
+
+def _read_limited(r: requests.Response, limit: int) -> bytes:
+    buf = bytearray()
+    for data in r.iter_content(READ_SIZE):
+        buf += data
+        if len(buf) > limit:
+            raise IntegrityError(f"manifest larger than {limit} bytes; refusing it")
+    return bytes(buf)
+
+
+def _with_query(url: str, **params: str) -> str:
+    return url + ("&" if "?" in url else "?") + urlencode(params)
+
+
+class _FileBody:
+    """``length`` bytes of ``path`` from ``offset`` as a request body.
+
+    ``__len__`` makes requests send a Content-Length (not chunked encoding) and ``__iter__``
+    makes urllib3 write it 1 MiB at a time, so memory stays flat whatever the blob size.
+    """
+
+    def __init__(self, path: Path, offset: int, length: int, progress: Progress, sent: list[int]) -> None:
+        self._path, self._offset, self._length = path, offset, length
+        self._progress, self._sent = progress, sent
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[bytes]:
+        with open(self._path, "rb") as f:
+            f.seek(self._offset)
+            left = self._length
+            while left:
+                data = f.read(min(READ_SIZE, left))
+                if not data:
+                    raise IntegrityError(f"{self._path} is shorter than expected; the store is corrupt")
+                left -= len(data)
+                self._sent[0] += len(data)
+                self._progress.advance(len(data))
+                yield data
+
+
+def _file_iter(path: Path, offset: int, length: int, progress: Progress, sent: list[int]) -> _FileBody:
+    return _FileBody(path, offset, length, progress, sent)
+
+
+# ---- push and pull --------------------------------------------------------------------------
+def _remotes_file(store: OciStore) -> Path:
+    return store.root / "remotes.json"
+
+
+def remember_remote(store: OciStore, digest: str, ref: RemoteRef) -> None:
+    """Record that ``digest`` is in ``ref``'s repository: the source of cross-repo mounts."""
+    path = _remotes_file(store)
+    with store._index_lock():
+        try:
+            data = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            data = {}
+        repos = data.setdefault(digest, [])
+        entry = f"{ref.registry}/{ref.repository}"
+        if entry not in repos:
+            repos.append(entry)
+        store._atomic_write(path, json.dumps(data, indent=1).encode())
+
+
+def _mount_sources(store: OciStore, ref: RemoteRef) -> dict[str, str]:
+    """blob digest → another repository on the same registry known to hold it."""
+    try:
+        data = json.loads(_remotes_file(store).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    out: dict[str, str] = {}
+    for manifest_digest, repos in data.items():
+        others = [r.split("/", 1)[1] for r in repos if r.split("/", 1)[0] == ref.registry and r.split("/", 1)[1] != ref.repository]
+        if not others or not store.has_blob(manifest_digest):
+            continue
+        try:
+            m = store.manifest(manifest_digest)
+        except GpusnapError:
+            continue
+        for d in [m.get("config", {}), *m.get("layers", [])]:
+            if d.get("digest"):
+                out.setdefault(d["digest"], others[0])
+    return out
+
+
+def _referrers_fallback(client: RegistryClient, repo: str, subject: Descriptor, manifest_desc: dict[str, Any]) -> None:
+    """OCI 1.1 referrers tag schema for registries without the referrers API (``sha256-<hex>``)."""
+    tag = subject.digest.replace(":", "-")
+    try:
+        data, _, _ = client.get_manifest(repo, tag)
+        index = json.loads(data)
+    except NotFoundError:
+        index = {"schemaVersion": 2, "mediaType": MEDIA_OCI_INDEX, "manifests": []}
+    index["manifests"] = [m for m in index.get("manifests", []) if m.get("digest") != manifest_desc["digest"]] + [manifest_desc]
+    client.put_manifest(repo, tag, json.dumps(index, separators=(",", ":")).encode(), MEDIA_OCI_INDEX)
+
+
+def push_artifact(
+    store: OciStore,
+    ref: str,
+    remote: str,
+    *,
+    insecure: bool = False,
+    progress: Progress | None = None,
+    subject: str | None = None,
+    client: RegistryClient | None = None,
+) -> Any:
+    from gpusnap.packaging.api import PushResult
+
+    started = time.monotonic()
+    target = RemoteRef.parse(remote)
+    if target.digest and not target.tag:
+        raise UsageError(f"push needs a tag, not a digest: {remote}")
+    desc = store.resolve(ref)
+    manifest_bytes = store.read_bytes(desc.digest)
+    manifest = json.loads(manifest_bytes)
+    client = client or RegistryClient(target.registry, insecure=insecure)
+    repo = target.repository
+    subject_desc: Descriptor | None = None
+    if subject:
+        sref = RemoteRef.parse(subject)
+        if sref.registry != target.registry or sref.repository != repo:
+            raise UsageError(f"the subject {subject} must be in the same repository as {remote} (the referrers API is per repository)")
+        sdata, smedia, sdigest = client.get_manifest(repo, sref.reference)
+        subject_desc = Descriptor(smedia, sdigest, len(sdata))
+        manifest["subject"] = subject_desc.to_dict()
+        manifest_bytes = json.dumps(manifest, separators=(",", ":")).encode()
+        with store.writing():
+            new_digest = store.put_bytes(manifest_bytes)
+            desc = Descriptor(desc.media_type, new_digest, len(manifest_bytes), artifact_type=desc.artifact_type)
+            if not ref.startswith("sha256:"):
+                store.tag(ref, desc)
+    blobs: dict[str, Descriptor] = {}
+    for d in [manifest["config"], *manifest.get("layers", [])]:
+        bd = Descriptor.from_dict(d)
+        blobs.setdefault(bd.digest, bd)
+    for bd in blobs.values():
+        if not store.has_blob(bd.digest):
+            raise NotFoundError(f"blob {bd.digest} of {ref} is missing from the store; pull or store the checkpoint again")
+    mounts = _mount_sources(store, target)
+    own_progress = progress is None
+    prog = progress or default_progress(f"push {target}")
+    stats = {"uploaded": 0, "skipped": 0, "mounted": 0}
+    stats_lock = threading.Lock()
+
+    def one(bd: Descriptor) -> None:
+        if client.blob_exists(repo, bd.digest):
+            with stats_lock:
+                stats["skipped"] += bd.size
+            return
+        upload_url = None
+        if bd.digest in mounts:
+            mounted, upload_url = client.try_mount(repo, bd.digest, mounts[bd.digest])
+            if mounted:
+                with stats_lock:
+                    stats["skipped"] += bd.size
+                    stats["mounted"] += 1
+                return
+        prog.add_total(bd.size)
+        client.upload_blob(repo, bd, store.blob_path(bd.digest), prog, upload_url)
+        with stats_lock:
+            stats["uploaded"] += bd.size
+
+    try:
+        _parallel(one, list(blobs.values()))
+        r = client.put_manifest(repo, target.tag or "latest", manifest_bytes, manifest.get("mediaType", MEDIA_OCI_MANIFEST))
+        got = r.headers.get("Docker-Content-Digest")
+        if got and got != desc.digest:
+            raise IntegrityError(f"{target.registry} stored the manifest as {got}, expected {desc.digest}")
+        if subject_desc is not None and not r.headers.get("OCI-Subject"):
+            _referrers_fallback(client, repo, subject_desc, {
+                "mediaType": manifest.get("mediaType", MEDIA_OCI_MANIFEST), "digest": desc.digest, "size": len(manifest_bytes),
+                "artifactType": manifest.get("artifactType", manifest["config"]["mediaType"]),
+                **({"annotations": manifest["annotations"]} if manifest.get("annotations") else {}),
+            })
+    finally:
+        if own_progress:
+            prog.close()
+    remember_remote(store, desc.digest, target)
+    return PushResult(str(target), desc.digest, stats["uploaded"], stats["skipped"], stats["mounted"], len(blobs),
+                      time.monotonic() - started)
+
+
+def _parallel(fn: Callable[[Descriptor], Any], items: list[Descriptor]) -> list[Any]:
+    """Run ``fn`` over ``items`` on worker threads, biggest first; the first error cancels the rest."""
+    items = sorted(items, key=lambda d: -d.size)
+    results = []
+    with ThreadPoolExecutor(max_workers=min(WORKERS, max(1, len(items)))) as pool:
+        futures = [pool.submit(fn, d) for d in items]
+        try:
+            for f in futures:
+                results.append(f.result())
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return results
+
+
+def pull_artifact(
+    store: OciStore,
+    remote: str,
+    *,
+    insecure: bool = False,
+    progress: Progress | None = None,
+    client: RegistryClient | None = None,
+) -> str:
+    source = RemoteRef.parse(remote)
+    client = client or RegistryClient(source.registry, insecure=insecure)
+    repo = source.repository
+    data, media, digest = client.get_manifest(repo, source.reference)
+    if media in (MEDIA_OCI_INDEX, MEDIA_DOCKER_LIST):
+        raise UsageError(f"{remote} is an index of several images, not a checkpoint; pull one manifest by digest")
+    try:
+        manifest = json.loads(data)
+    except json.JSONDecodeError:
+        raise IntegrityError(f"manifest of {remote} is not JSON") from None
+    blobs: dict[str, Descriptor] = {}
+    for d in [manifest.get("config"), *manifest.get("layers", [])]:
+        if d:
+            bd = Descriptor.from_dict(d)
+            validate_digest(bd.digest)
+            blobs.setdefault(bd.digest, bd)
+    own_progress = progress is None
+    prog = progress or default_progress(f"pull {source}")
+    prog.add_total(sum(b.size for b in blobs.values()))
+    added: list[str] = []
+    added_lock = threading.Lock()
+
+    def one(bd: Descriptor) -> None:
+        if client.download_blob(repo, bd, store, prog):
+            with added_lock:
+                added.append(bd.digest)
+
+    local_ref = str(RemoteRef(source.registry, source.repository, source.tag, None if source.tag else source.digest))
+    with store.writing():
+        try:
+            _parallel(one, list(blobs.values()))
+            store.put_bytes(data, digest)
+            store.tag(local_ref, Descriptor(media or MEDIA_OCI_MANIFEST, digest, len(data), artifact_type=manifest.get("artifactType")))
+        except BaseException:
+            # Nothing half-done: blobs this pull added (each whole and verified) go again, so a
+            # failed pull leaves the store as it was.
+            referenced = store.referenced()
+            for dg in added:
+                if dg not in referenced:
+                    store.blob_path(dg).unlink(missing_ok=True)
+            raise
+        finally:
+            if own_progress:
+                prog.close()
+    remember_remote(store, digest, source)
+    return local_ref

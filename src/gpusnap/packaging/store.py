@@ -1,0 +1,339 @@
+"""A local OCI image-layout store (no daemon): content-addressed blobs, ``index.json`` tags.
+
+Layout (OCI image-layout 1.0): ``oci-layout``, ``index.json``, ``blobs/sha256/<hex>``, plus
+``ingest/`` for blobs being written. A blob is written to ``ingest/``, hashed while written,
+fsynced, and only then renamed into ``blobs/`` if its digest matches what was expected: a blob
+that is visible is always whole and correct. Identical content (e.g. unchanged memory chunks of
+two checkpoints) lands on the same path and is stored once.
+
+Concurrency: ``index.json`` changes happen under an exclusive ``flock``; writers of new content
+hold a shared ``gc.lock`` for as long as their blobs are not yet referenced by a tag, and ``gc``
+takes it exclusively, so garbage collection never deletes blobs of a checkpoint being stored.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from gpusnap.errors import IntegrityError, NotFoundError, UsageError
+
+MEDIA_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+MEDIA_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MEDIA_DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+MEDIA_DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+ANNOTATION_REF_NAME = "org.opencontainers.image.ref.name"
+
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+# A local reference: what a registry reference may be (host[:port]/path:tag), or a bare name.
+_REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:@]*$")
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    media_type: str
+    digest: str
+    size: int
+    annotations: dict[str, str] = field(default_factory=dict, compare=False)
+    artifact_type: str | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
+        if self.artifact_type:
+            d["artifactType"] = self.artifact_type
+        if self.annotations:
+            d["annotations"] = dict(self.annotations)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Descriptor":
+        try:
+            return cls(
+                media_type=str(d["mediaType"]),
+                digest=validate_digest(str(d["digest"])),
+                size=int(d["size"]),
+                annotations=dict(d.get("annotations") or {}),
+                artifact_type=d.get("artifactType"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IntegrityError(f"malformed OCI descriptor {d!r}: {exc}; the manifest is corrupt") from None
+
+
+def validate_digest(digest: str) -> str:
+    if not _DIGEST_RE.match(digest):
+        raise IntegrityError(f"unsupported or malformed digest {digest!r}; only sha256:<64 hex> is accepted")
+    return digest
+
+
+def normalize_ref(ref: str) -> str:
+    """``name`` → ``name:latest``; keeps ``name:tag`` and ``name@sha256:...``."""
+    if not ref or not _REF_RE.match(ref) or ".." in ref:
+        raise UsageError(f"invalid reference {ref!r}: use NAME[:TAG], letters, digits, '.', '_', '-', '/' only")
+    if "@" in ref:
+        return ref
+    last = ref.rsplit("/", 1)[-1]
+    return ref if ":" in last else ref + ":latest"
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class BlobWriter:
+    """A file in ``ingest/`` hashed as it is written; :meth:`commit` makes it a visible blob."""
+
+    def __init__(self, store: "OciStore") -> None:
+        self._store = store
+        fd, name = tempfile.mkstemp(dir=store.ingest_dir, prefix="blob-")
+        self._file: IO[bytes] = os.fdopen(fd, "wb", buffering=1 << 20)
+        self._path = Path(name)
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self._done = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._hash.update(data)
+        self._file.write(data)
+        self.size += len(data)
+        return len(data)
+
+    def flush(self) -> None:  # tarfile and zstandard call it
+        pass
+
+    @property
+    def digest(self) -> str:
+        return "sha256:" + self._hash.hexdigest()
+
+    def commit(self, expected_digest: str | None = None, expected_size: int | None = None) -> str:
+        """Verify and publish; on a mismatch the data is deleted and :class:`IntegrityError` raised."""
+        digest = self.digest
+        try:
+            if expected_digest is not None and digest != expected_digest:
+                raise IntegrityError(
+                    f"blob digest mismatch: expected {expected_digest}, got {digest}; the data was discarded"
+                )
+            if expected_size is not None and self.size != expected_size:
+                raise IntegrityError(
+                    f"blob {digest} size mismatch: expected {expected_size} bytes, got {self.size}; the data was discarded"
+                )
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            final = self._store.blob_path(digest)
+            if final.exists():
+                self._path.unlink()
+            else:
+                os.chmod(self._path, 0o644)
+                os.replace(self._path, final)
+            self._done = True
+            return digest
+        finally:
+            if not self._done:
+                self.abort()
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self._path.unlink(missing_ok=True)
+        self._done = True
+
+    def __enter__(self) -> "BlobWriter":
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if not self._done:
+            self.abort()
+
+
+@dataclass
+class TagEntry:
+    ref: str
+    descriptor: Descriptor
+
+
+class OciStore:
+    """An OCI image layout directory used as gpusnap's local checkpoint store."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.blobs_dir = self.root / "blobs" / "sha256"
+        self.ingest_dir = self.root / "ingest"
+        for d in (self.blobs_dir, self.ingest_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        layout = self.root / "oci-layout"
+        if not layout.exists():
+            self._atomic_write(layout, json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
+        if not (self.root / "index.json").exists():
+            with self._index_lock():
+                if not (self.root / "index.json").exists():
+                    self._write_index({"schemaVersion": 2, "mediaType": MEDIA_OCI_INDEX, "manifests": []})
+
+    # ---- blobs --------------------------------------------------------------------------------
+    def blob_path(self, digest: str) -> Path:
+        return self.blobs_dir / validate_digest(digest).split(":", 1)[1]
+
+    def has_blob(self, digest: str) -> bool:
+        return self.blob_path(digest).is_file()
+
+    def writer(self) -> BlobWriter:
+        return BlobWriter(self)
+
+    def put_bytes(self, data: bytes, expected_digest: str | None = None) -> str:
+        with self.writer() as w:
+            w.write(data)
+            return w.commit(expected_digest, len(data) if expected_digest else None)
+
+    def read_bytes(self, digest: str, *, limit: int = 64 << 20) -> bytes:
+        path = self.blob_path(digest)
+        if not path.is_file():
+            raise NotFoundError(f"blob {digest} is not in the store {self.root}; pull the checkpoint again")
+        if path.stat().st_size > limit:
+            raise IntegrityError(f"blob {digest} is larger than {limit} bytes; it is not a manifest or config")
+        data = path.read_bytes()
+        if sha256_digest(data) != digest:
+            raise IntegrityError(f"blob {digest} in {self.root} is corrupt (digest mismatch); run `gpusnap gc` and pull again")
+        return data
+
+    def open_blob(self, digest: str) -> IO[bytes]:
+        path = self.blob_path(digest)
+        try:
+            return open(path, "rb")
+        except FileNotFoundError:
+            raise NotFoundError(f"blob {digest} is not in the store {self.root}; pull the checkpoint again") from None
+
+    # ---- locks --------------------------------------------------------------------------------
+    @contextmanager
+    def _flock(self, name: str, mode: int) -> Iterator[None]:
+        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            os.close(fd)
+
+    def _index_lock(self) -> Any:
+        return self._flock(".index.lock", fcntl.LOCK_EX)
+
+    def writing(self) -> Any:
+        """Hold while adding blobs that no tag references yet (keeps ``gc`` away)."""
+        return self._flock(".gc.lock", fcntl.LOCK_SH)
+
+    # ---- index --------------------------------------------------------------------------------
+    def _atomic_write(self, path: Path, data: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _read_index(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.root / "index.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise IntegrityError(f"{self.root / 'index.json'} is unreadable ({exc}); restore or delete the store") from None
+
+    def _write_index(self, index: dict[str, Any]) -> None:
+        self._atomic_write(self.root / "index.json", json.dumps(index, indent=2).encode())
+
+    def tags(self) -> list[TagEntry]:
+        out = []
+        for m in self._read_index().get("manifests", []):
+            ref = (m.get("annotations") or {}).get(ANNOTATION_REF_NAME)
+            if ref:
+                out.append(TagEntry(ref, Descriptor.from_dict(m)))
+        return sorted(out, key=lambda t: t.ref)
+
+    def tag(self, ref: str, desc: Descriptor) -> None:
+        ref = normalize_ref(ref)
+        if not self.has_blob(desc.digest):
+            raise NotFoundError(f"cannot tag {ref}: manifest {desc.digest} is not in the store")
+        with self._index_lock():
+            index = self._read_index()
+            manifests = [m for m in index.get("manifests", []) if (m.get("annotations") or {}).get(ANNOTATION_REF_NAME) != ref]
+            entry = Descriptor(desc.media_type, desc.digest, desc.size, {**desc.annotations, ANNOTATION_REF_NAME: ref}, desc.artifact_type)
+            manifests.append(entry.to_dict())
+            index["manifests"] = manifests
+            self._write_index(index)
+
+    def resolve(self, ref: str) -> Descriptor:
+        if ref.startswith("sha256:"):
+            digest = validate_digest(ref)
+            for t in self.tags():
+                if t.descriptor.digest == digest:
+                    return t.descriptor
+            raise NotFoundError(f"no checkpoint with manifest {ref} in {self.root}; see `gpusnap ls`")
+        ref = normalize_ref(ref)
+        for t in self.tags():
+            if t.ref == ref:
+                return t.descriptor
+        raise NotFoundError(f"no checkpoint named {ref} in {self.root}; see `gpusnap ls`")
+
+    def untag(self, ref: str) -> Descriptor:
+        desc = self.resolve(ref)
+        ref_n = ref if ref.startswith("sha256:") else normalize_ref(ref)
+        with self._index_lock():
+            index = self._read_index()
+            index["manifests"] = [
+                m for m in index.get("manifests", [])
+                if not ((m.get("annotations") or {}).get(ANNOTATION_REF_NAME) == ref_n or m.get("digest") == ref_n)
+            ]
+            self._write_index(index)
+        return desc
+
+    def manifest(self, digest: str) -> dict[str, Any]:
+        try:
+            return json.loads(self.read_bytes(digest))
+        except json.JSONDecodeError:
+            raise IntegrityError(f"manifest {digest} is not JSON; the store is corrupt") from None
+
+    # ---- garbage collection -------------------------------------------------------------------
+    def referenced(self) -> set[str]:
+        """Every blob reachable from a tag (manifests, configs, layers, index children)."""
+        seen: set[str] = set()
+        todo = [t.descriptor for t in self.tags()]
+        while todo:
+            d = todo.pop()
+            if d.digest in seen:
+                continue
+            seen.add(d.digest)
+            if d.media_type in (MEDIA_OCI_MANIFEST, MEDIA_DOCKER_MANIFEST, MEDIA_OCI_INDEX, MEDIA_DOCKER_LIST) and self.has_blob(d.digest):
+                m = self.manifest(d.digest)
+                if "config" in m:
+                    todo.append(Descriptor.from_dict(m["config"]))
+                todo.extend(Descriptor.from_dict(x) for x in m.get("layers", []))
+                todo.extend(Descriptor.from_dict(x) for x in m.get("manifests", []))
+        return seen
+
+    def gc(self) -> tuple[int, int]:
+        """Delete unreferenced blobs and stale ingest files; returns (blobs removed, bytes freed)."""
+        with self._flock(".gc.lock", fcntl.LOCK_EX):
+            keep = {d.split(":", 1)[1] for d in self.referenced()}
+            removed = freed = 0
+            for p in self.blobs_dir.iterdir():
+                if p.name not in keep:
+                    freed += p.stat().st_size
+                    p.unlink()
+                    removed += 1
+            # With the exclusive lock held no writer is active: anything in ingest/ is debris.
+            for p in self.ingest_dir.iterdir():
+                freed += p.stat().st_size
+                p.unlink()
+            return removed, freed
+
+    def disk_usage(self) -> int:
+        return sum(p.stat().st_size for p in self.blobs_dir.iterdir())
