@@ -21,6 +21,8 @@ def safe_name(name: str, *, what: str = "archive") -> str:
     """Return the entry's normalized relative path, or raise if it could land outside."""
     if not name or "\x00" in name:
         raise IntegrityError(f"{what}: empty or NUL-containing entry name; refusing the archive")
+    if len(name.encode(errors="surrogateescape")) > 4096:  # PATH_MAX: no such file can exist
+        raise IntegrityError(f"{what}: entry name of {len(name)} characters is longer than any path; refusing the archive")
     if name.startswith("/"):
         raise IntegrityError(f"{what}: entry {name!r} has an absolute path; refusing the archive")
     parts = [p for p in name.split("/") if p not in ("", ".")]
@@ -53,6 +55,9 @@ def extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, *,
 
 def extract_all(fileobj: object, dest: Path, *, what: str = "archive") -> None:
     """Stream-extract a tar (read once, no seeking) into ``dest`` with every entry checked."""
-    with tarfile.open(fileobj=fileobj, mode="r|") as tar:  # type: ignore[call-overload]
-        for member in tar:
-            extract_member(tar, member, dest, what=what)
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r|") as tar:  # type: ignore[call-overload]
+            for member in tar:
+                extract_member(tar, member, dest, what=what)
+    except tarfile.TarError as exc:  # malformed headers, truncation, and the data filter's refusals
+        raise IntegrityError(f"{what}: not a valid or safe tar archive ({exc}); refusing it") from None

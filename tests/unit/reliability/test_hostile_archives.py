@@ -95,6 +95,8 @@ def _snapshot(root: Path, skip: Path) -> dict[str, tuple[int, int, str]]:
             continue
         for name in dirnames + filenames:
             p = Path(dirpath) / name
+            if p == skip:
+                continue
             st_ = p.lstat()
             out[str(p)] = (st_.st_mode, st_.st_size, os.readlink(p) if p.is_symlink() else "")
     return out
@@ -206,3 +208,51 @@ def test_malformed_and_huge_headers(box: Path, tally: Tally, case: str) -> None:
         import shutil
 
         shutil.rmtree(dest)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_hostile_podman_archive_through_store_and_materialize(box: Path, tally: Tally, data: st.DataObject) -> None:
+    """The whole packaging path: a hostile `podman checkpoint --export` file is stored, then
+    materialized; one of the two must refuse it, with nothing outside the destination touched."""
+    import shutil
+
+    from gpusnap.packaging import api
+    from gpusnap.packaging.store import OciStore
+
+    outside = box / "outside"
+    kind, bad = data.draw(hostile(outside))
+    if kind == "symlink-gadget":
+        # Inside the CRIU dir, so materialize extracts it (entries outside it are not restored).
+        bad = [_link("checkpoint/c", ".", tarfile.SYMTYPE), _link("checkpoint/b", "c/../pwned-dir", tarfile.SYMTYPE), _file("checkpoint/b/pwned")]
+    else:
+        for ti, _ in bad:
+            if not ti.name.startswith("/") and ".." not in ti.name:
+                ti.name = "checkpoint/" + ti.name
+    entries = [_file("checkpoint/inventory.img", b"inv"), *data.draw(benign()), *bad]
+    work = box / "dest"
+    work.mkdir()
+    try:
+        archive = work / "export.tar"
+        archive.write_bytes(_build(entries, tarfile.PAX_FORMAT))
+        store_dir = work / "store"
+        before = _snapshot(box, skip=store_dir)
+        refused_at = None
+        try:
+            api.store_checkpoint(store_dir, archive, form="podman-archive", ref="gs-rel-hostile:1")
+        except GpusnapError as exc:
+            refused_at = "store"
+            assert "\n" not in str(exc)
+        if refused_at is None:
+            try:
+                api.materialize_checkpoint(store_dir, "gs-rel-hostile:1", work / "out", form="criu-dir")
+            except GpusnapError as exc:
+                refused_at = "materialize"
+                assert "\n" not in str(exc)
+        tally.add(f"podman-export:{kind}", refused_at is not None)
+        assert refused_at is not None, f"{kind}: {[e[0].name[:60] for e in entries]} accepted end to end"
+        assert _snapshot(box, skip=store_dir) == before, f"{kind} wrote outside the target"
+        if refused_at == "store":
+            assert OciStore(store_dir).tags() == [], "a refused checkpoint must not be tagged"
+    finally:
+        shutil.rmtree(work)
