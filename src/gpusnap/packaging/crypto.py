@@ -112,7 +112,7 @@ PublicKey = x25519.X25519PublicKey | rsa.RSAPublicKey
 PrivateKey = x25519.X25519PrivateKey | rsa.RSAPrivateKey
 
 
-def _public_id(pub: PublicKey) -> str:
+def public_key_id(pub: PublicKey) -> str:
     if isinstance(pub, x25519.X25519PublicKey):
         raw = pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     else:
@@ -260,9 +260,9 @@ def _wrap_for(pub: PublicKey, blob_key: bytes) -> dict[str, str]:
         kek = _hkdf(eph.exchange(pub), _X25519_INFO + eph_pub)
         nonce = os.urandom(12)
         ct = AESGCM(kek).encrypt(nonce, blob_key, eph_pub)
-        return {"kid": _public_id(pub), "epk": _b64(eph_pub), "ct": _b64(nonce + ct)}
+        return {"kid": public_key_id(pub), "epk": _b64(eph_pub), "ct": _b64(nonce + ct)}
     ct = pub.encrypt(blob_key, padding.OAEP(mgf=padding.MGF1(hashes.SHA256()), algorithm=hashes.SHA256(), label=None))
-    return {"kid": _public_id(pub), "ct": _b64(ct)}
+    return {"kid": public_key_id(pub), "ct": _b64(ct)}
 
 
 def _unwrap_with(priv: PrivateKey, entry: dict[str, str]) -> bytes | None:
@@ -414,13 +414,13 @@ def _find_blob_key(wrapped: bytes, annotations: dict[str, str], keys: Decryption
             continue
         entries = _decode_list(value)
         for priv in keys.private_keys:
-            kid = _public_id(priv.public_key())
+            kid = public_key_id(priv.public_key())
             for entry in entries:
                 if entry.get("kid") == kid:
                     key = _unwrap_with(priv, entry)
                     if key is not None:
                         return key
-    wanted = sorted(_wanted_key_ids(annotations))
+    wanted = sorted(wanted_key_ids(annotations))
     raise IntegrityError(
         "wrong key: none of the given decryption keys opens this checkpoint"
         + (f" (it was encrypted for key ids {', '.join(wanted)})" if wanted else "")
@@ -428,7 +428,7 @@ def _find_blob_key(wrapped: bytes, annotations: dict[str, str], keys: Decryption
     )
 
 
-def _wanted_key_ids(annotations: dict[str, str]) -> set[str]:
+def wanted_key_ids(annotations: dict[str, str]) -> set[str]:
     ids: set[str] = set()
     master = annotations.get(ANNOTATION_KEYS_PREFIX + SCHEME_MASTER)
     if master:
