@@ -419,7 +419,12 @@ def load(store: OciStore, digest: str) -> LoadedArtifact:
     if manifest.get("artifactType") != ARTIFACT_TYPE and (manifest.get("config") or {}).get("mediaType") != MEDIA_CONFIG:
         raise UsageError(f"{digest} is not a gpusnap checkpoint artifact (artifactType {manifest.get('artifactType')!r})")
     cfg_desc = Descriptor.from_dict(manifest["config"])
-    config = json.loads(store.read_bytes(cfg_desc.digest))
+    try:
+        config = json.loads(store.read_bytes(cfg_desc.digest))
+    except (ValueError, RecursionError):
+        config = None
+    if not isinstance(config, dict):
+        raise IntegrityError(f"checkpoint config {cfg_desc.digest} is not a JSON object; the artifact is corrupt")
     if config.get("schemaVersion") != CONFIG_SCHEMA_VERSION:
         raise UsageError(f"checkpoint config schema {config.get('schemaVersion')} is not supported by this gpusnap; upgrade gpusnap")
     return LoadedArtifact(digest, manifest, config, [Descriptor.from_dict(x) for x in manifest.get("layers", [])])
@@ -538,7 +543,10 @@ def iter_tree(store: OciStore, art: LoadedArtifact, prefix: str | None) -> Itera
         chunks = groups.get(f["path"], [])
         if sum(int(c.annotations.get(A_LENGTH, 0)) for c in chunks) != int(f["size"]):
             raise IntegrityError(f"{f['path']}: chunks do not add up to {f['size']} bytes; the artifact is corrupt")
-        ti = _file_info(f)
+        try:
+            ti = _file_info(f)
+        except (KeyError, TypeError, ValueError):
+            raise IntegrityError(f"checkpoint config lists a malformed file entry {str(f)[:100]}; the artifact is corrupt") from None
         ti.name = name
         yield ti, io.BufferedReader(_ChunkReader(store, chunks), 1 << 20)
 
