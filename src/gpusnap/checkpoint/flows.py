@@ -119,6 +119,7 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
     ]
     records = run_steps(steps)
     meta.timings_s = {r.name: round(r.seconds, 6) for r in records}
+    image_dir.mkdir(parents=True, exist_ok=True)  # runc made it; a --page-server dump may not
     meta.write(image_dir)
     return 0
 

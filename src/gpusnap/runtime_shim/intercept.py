@@ -1,7 +1,9 @@
 """The commands the shim acts on itself: create/run, checkpoint, restore, features.
 
 Imported only for those commands, so the passthrough path never pays for jsonschema,
-dataclasses or the GPU plan.
+dataclasses or the GPU plan; create/run do not load the checkpoint flows either (about 20 ms
+of imports: platform, socket, the GPU plan), since every container start pays for what
+create imports.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gpusnap import __version__
-from gpusnap.checkpoint.flows import RuncCall, checkpoint, failure_exit_code, restore
 from gpusnap.config import Settings, load_settings
 from gpusnap.errors import ExitCode, GpusnapError
 from gpusnap.ocispec.modifiers import ModifyContext, apply_chain, default_chain
@@ -94,10 +95,15 @@ def dispatch(inv: Invocation, runc: str, env: Mapping[str, str]) -> int:
     command = inv.command
     if command == "features":
         return features(inv, runc, env)
-    call = RuncCall(runc=runc, inv=inv, env=env)
+    cwd = Path.cwd()
+    if command in ("create", "run", "restore") and not config_path(cwd / (inv.value("bundle") or ".")).is_file():
+        exec_runc(runc, inv.argv)  # no bundle to modify: runc says what is missing, in its words
+    if command in ("create", "run"):
+        return create_or_run(inv, runc, env, settings)
+    from gpusnap.checkpoint.flows import RuncCall, checkpoint, failure_exit_code, restore
+
+    call = RuncCall(runc=runc, inv=inv, env=env, cwd=cwd)
     try:
-        if command in ("create", "run"):
-            return create_or_run(inv, runc, env, settings)
         if command == "checkpoint":
             return checkpoint(call, settings)
         if command == "restore":

@@ -1,0 +1,81 @@
+"""runc used directly through gpusnap-runtime: run -d, checkpoint, restore (detached and foreground)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from shimstack import COUNTER, RUNC, SHIM, Pipes, Shim, assert_resumed, counter_values, make_bundle, run, unique, wait_counting, wait_for
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root and the real container stack (sudo bash tests/run.sh)"),
+]
+
+
+def test_checkpoint_restore_detached_then_foreground(shim: Shim, data_dir: Path, tmp_path: Path) -> None:
+    bundle = make_bundle(tmp_path, ["sh", "-c", COUNTER], data_dir)
+    cid = unique("runc")
+    rt = [str(shim.wrapper), "--root", str(bundle.root)]
+    env = shim.env()
+    pipes = [Pipes()]
+    foreground: subprocess.Popen[bytes] | None = None
+    try:
+        subprocess.run([*rt, "run", "-d", "--bundle", str(bundle.path), cid], check=True, env=env, **pipes[-1].kwargs())
+        spec = json.loads((bundle.path / "config.json").read_text())
+        conf = Path(spec["annotations"]["org.criu.config"])
+        assert conf == shim.run_dir / "criu" / f"{cid}.conf" and "link-remap" in conf.read_text().split()
+        wait_counting(data_dir, above=2)
+
+        # Cycle 1: checkpoint, restore --detach.
+        images = tmp_path / "images1"
+        run([*rt, "checkpoint", "--image-path", str(images), cid], env=env)
+        at_checkpoint = counter_values(data_dir)[-1]
+        meta = json.loads((images / "gpusnap.json").read_text())
+        assert meta["container_id"] == cid and meta["criu_version"].startswith("4.") and "runc checkpoint" in meta["timings_s"]
+        pipes.append(Pipes())
+        subprocess.run([*rt, "restore", "-d", "--bundle", str(bundle.path), "--image-path", str(images), cid], check=True, env=env, **pipes[-1].kwargs())
+        assert json.loads(run([RUNC, "--root", str(bundle.root), "state", cid]).stdout)["status"] == "running"
+        assert_resumed(data_dir, at_checkpoint)
+
+        # Cycle 2: checkpoint, restore in the foreground (the shim waits for runc and keeps its status).
+        images = tmp_path / "images2"
+        run([*rt, "checkpoint", "--image-path", str(images), cid], env=env)
+        at_checkpoint = counter_values(data_dir)[-1]
+        pipes.append(Pipes())
+        foreground = subprocess.Popen([*rt, "restore", "--bundle", str(bundle.path), "--image-path", str(images), cid], env=env, **pipes[-1].kwargs())
+        assert_resumed(data_dir, at_checkpoint)
+        assert foreground.poll() is None
+        wait_for(lambda: not (shim.run_dir / "restoring" / cid).exists(), "the restore marker to go")
+        run([RUNC, "--root", str(bundle.root), "kill", cid, "KILL"])
+        assert foreground.wait(timeout=30) == 128 + signal.SIGKILL
+    finally:
+        if foreground is not None and foreground.poll() is None:
+            foreground.kill()
+        run([RUNC, "--root", str(bundle.root), "delete", "--force", cid], check=False)
+        for p in pipes:
+            p.close()
+
+
+def test_run_foreground_exit_status_matches_runc(shim: Shim, data_dir: Path, tmp_path: Path) -> None:
+    statuses = {}
+    for label, binary in (("runc", RUNC), ("shim", str(shim.wrapper))):
+        bundle = make_bundle(tmp_path / label, ["sh", "-c", "echo out; echo err >&2; exit 3"], data_dir)
+        proc = run([binary, "--root", str(bundle.root), "run", "--bundle", str(bundle.path), unique("exit3")], check=False, env=shim.env())
+        statuses[label] = (proc.returncode, proc.stdout, proc.stderr)
+    assert statuses["shim"] == statuses["runc"] == (3, "out\n", "err\n")
+
+
+def test_shim_as_runc_on_path_finds_the_real_runc(shim: Shim, tmp_path: Path) -> None:
+    """Installed as `runc` ahead of the real one, the shim skips itself on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "runc").symlink_to(SHIM)
+    env = {**shim.env(), "PATH": f"{bin_dir}:{shim.env()['PATH']}"}
+    proc = run([str(bin_dir / "runc"), "--version"], env=env)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("gpusnap-runtime version ") and lines[1].startswith("runc version ")

@@ -1,0 +1,150 @@
+"""The checkpoint/restore flows' use of steps, with a stand-in runc and CRIU (executable scripts).
+
+The real runc and CRIU run in tests/integration; here a script that records its command line
+stands in so the order of the GPU plan's steps, rollback and exit codes can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpusnap.checkpoint.flows import RuncCall, checkpoint, failure_exit_code, restore
+from gpusnap.config import HostPaths, Settings
+from gpusnap.errors import ExitCode
+from gpusnap.gpu.base import ContainerRef
+from gpusnap.metadata import CheckpointMetadata
+from gpusnap.runtime_shim.argv import parse
+from gpusnap.steps import Step, StepFailed
+
+FAKE_RUNC = """#!/bin/sh
+echo "$* PATH=$PATH" >> {log}
+case " $* " in
+  *" --version "*) echo "runc version 9.9.9";;
+  *" state "*) [ -e {tmp}/gone ] && exit 1; echo '{{"id":"c1","status":"running","pid":4242,"bundle":"{tmp}","annotations":{{}}}}';;
+  *" checkpoint "*) [ -n "$FAKE_RC" ] && {{ echo "runc: checkpoint failed" >&2; exit $FAKE_RC; }}; touch {tmp}/gone;;
+  *" restore "*) [ -e {run}/restoring/c1 ] && echo marker-present >> {log}; [ -n "$FAKE_RC" ] && exit $FAKE_RC; rm -f {tmp}/gone;;
+  *" delete "*) touch {tmp}/gone;;
+esac
+"""
+
+
+class RecordingPlan:
+    def __init__(self, events: list[str], fail_after_restore: bool = False) -> None:
+        self.events = events
+        self.fail_after_restore = fail_after_restore
+
+    def _step(self, name: str, undo: bool = True) -> Step:
+        return Step(name, lambda: self.events.append(name), (lambda: self.events.append(f"undo {name}")) if undo else None)
+
+    def before_dump(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata) -> list[Step]:
+        self.events.append(f"pids {ref.init_pid}")
+        return [self._step("gpu lock"), self._step("gpu checkpoint")]
+
+    def after_dump(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata, leave_running: bool) -> list[Step]:
+        return [self._step(f"gpu after dump leave_running={leave_running}")]
+
+    def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
+        return [self._step(f"gpu host check meta={meta is not None}")]
+
+    def after_restore(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
+        def do() -> None:
+            self.events.append(f"gpu restore pid {ref.init_pid}")
+            if self.fail_after_restore:
+                raise RuntimeError("device restore failed")
+
+        return [Step("gpu restore", do)]
+
+
+@pytest.fixture
+def rig(tmp_path: Path):
+    log = tmp_path / "runc.log"
+    run_dir = tmp_path / "run"
+    runc = tmp_path / "bin" / "runc"
+    runc.parent.mkdir()
+    runc.write_text(FAKE_RUNC.format(log=log, tmp=tmp_path, run=run_dir))
+    runc.chmod(0o755)
+    criu = tmp_path / "criu-bin" / "criu"
+    criu.parent.mkdir()
+    criu.write_text('#!/bin/sh\ncase "$1" in --version) echo "Version: 4.1.1";; check) echo "Looks good.";; esac\n')
+    criu.chmod(0o755)
+    settings = Settings(host=HostPaths(tmp_path / "host"), run_dir=run_dir, criu=str(criu))
+
+    def call(argv: list[str], **env: str) -> RuncCall:
+        return RuncCall(runc=str(runc), inv=parse(argv), env={"PATH": "/usr/bin:/bin", **env}, cwd=tmp_path)
+
+    return settings, call, log, criu
+
+
+def test_checkpoint_runs_plan_around_runc(rig, tmp_path: Path) -> None:
+    settings, call, log, criu = rig
+    events: list[str] = []
+    assert checkpoint(call(["--root", "/r", "checkpoint", "--leave-running", "--image-path", "img", "c1"]), settings, RecordingPlan(events)) == 0
+    assert events == ["pids 4242", "gpu lock", "gpu checkpoint", "gpu after dump leave_running=True"]
+    dump = [ln for ln in log.read_text().splitlines() if " checkpoint " in f" {ln} "][0]
+    assert dump.startswith(f"--criu {criu} --root /r checkpoint --leave-running --image-path img c1 PATH={criu.parent}:/usr/bin:/bin")
+    meta = CheckpointMetadata.read(tmp_path / "img")
+    assert meta is not None and meta.criu_version == "4.1.1" and meta.runc_version == "9.9.9" and meta.leave_running
+    assert set(meta.timings_s) == {"gpu lock", "gpu checkpoint", "runc checkpoint", "gpu after dump leave_running=True"}
+
+
+def test_failed_runc_checkpoint_rolls_back_gpu_and_keeps_runc_status(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    events: list[str] = []
+    with pytest.raises(StepFailed) as err:
+        checkpoint(call(["checkpoint", "--image-path", "img", "c1"], FAKE_RC="7"), settings, RecordingPlan(events))
+    assert events == ["pids 4242", "gpu lock", "gpu checkpoint", "undo gpu checkpoint", "undo gpu lock"]
+    assert failure_exit_code(err.value, ExitCode.CHECKPOINT_FAILED) == 7
+    assert not (tmp_path / "img" / "gpusnap.json").exists()
+
+
+def test_unknown_container_lets_runc_answer(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    (tmp_path / "gone").touch()
+    events: list[str] = []
+    assert checkpoint(call(["checkpoint", "c1"]), settings, RecordingPlan(events)) == 0
+    assert events == []  # no GPU step ran: runc itself reported on the unknown container
+    assert log.read_text().splitlines()[-1].startswith("checkpoint c1 ")
+
+
+def test_restore_marker_plan_order_and_ref(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    (tmp_path / "img").mkdir()
+    CheckpointMetadata(container_id="c1", created="now").write(tmp_path / "img")
+    events: list[str] = []
+    spec_step = Step("spec", lambda: events.append("spec"), lambda: events.append("undo spec"))
+    (tmp_path / "gone").touch()
+    assert restore(call(["restore", "-d", "--image-path", "img", "c1"]), settings, [spec_step], RecordingPlan(events)) == 0
+    assert events == ["spec", "gpu host check meta=True", "gpu restore pid 4242"]
+    assert "marker-present" in log.read_text()
+    assert not (settings.run_dir / "restoring" / "c1").exists()
+
+
+def test_failed_after_restore_deletes_container_and_undoes(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    events: list[str] = []
+    spec_step = Step("spec", lambda: events.append("spec"), lambda: events.append("undo spec"))
+    with pytest.raises(StepFailed) as err:
+        restore(call(["restore", "-d", "c1"]), settings, [spec_step], RecordingPlan(events, fail_after_restore=True))
+    assert events == ["spec", "gpu host check meta=False", "gpu restore pid 4242", "undo gpu host check meta=False", "undo spec"]
+    assert "delete --force c1" in log.read_text()
+    assert failure_exit_code(err.value, ExitCode.RESTORE_FAILED) == ExitCode.RESTORE_FAILED
+    assert not (settings.run_dir / "restoring" / "c1").exists()
+
+
+def test_failed_runc_restore_keeps_runc_status(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    events: list[str] = []
+    with pytest.raises(StepFailed) as err:
+        restore(call(["restore", "-d", "c1"], FAKE_RC="5"), settings, [], RecordingPlan(events))
+    assert failure_exit_code(err.value, ExitCode.RESTORE_FAILED) == 5
+    assert events == ["gpu host check meta=False", "undo gpu host check meta=False"]
+
+
+def test_metadata_is_json(rig, tmp_path: Path) -> None:
+    settings, call, _, _ = rig
+    checkpoint(call(["checkpoint", "c1"]), settings, RecordingPlan([]))
+    data = json.loads((tmp_path / "checkpoint" / "gpusnap.json").read_text())
+    assert data["container_id"] == "c1" and data["runtime"] == "gpusnap-runtime"

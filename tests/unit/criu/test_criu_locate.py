@@ -1,0 +1,81 @@
+"""CRIU version parsing and checks, against small executable stand-ins for the criu binary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpusnap.config import HostPaths, Settings
+from gpusnap.criu.locate import find_criu, parse_version
+from gpusnap.errors import MissingDependencyError
+
+
+@pytest.mark.parametrize(
+    ("text", "version"),
+    [
+        ("Version: 4.1.1\n", (4, 1, 1)),
+        ("Version: 4.0\nGitID: v4.0-12-gdeadbee\n", (4, 0, 0)),
+        ("Warn: something\nVersion: 3.17.1\n", (3, 17, 1)),
+        ("criu: command not found\n", None),
+        ("", None),
+    ],
+)
+def test_parse_version(text: str, version: tuple[int, int, int] | None) -> None:
+    assert parse_version(text) == version
+
+
+def _criu(tmp_path: Path, version: str = "4.1.1", check: str = "ok") -> Path:
+    counter = tmp_path / "check-runs"
+    body = {
+        "ok": f"echo run >> {counter}; echo 'Looks good.'",
+        "fail": "echo 'Error (criu/cr-check.c:1): Kernel lacks seccomp' >&2; exit 1",
+    }[check]
+    path = tmp_path / "criu"
+    path.write_text(f'#!/bin/sh\ncase "$1" in --version) echo "Version: {version}";; check) {body};; esac\n')
+    path.chmod(0o755)
+    return path
+
+
+def _settings(tmp_path: Path, criu: Path | str | None) -> Settings:
+    proc = tmp_path / "root" / "proc" / "sys" / "kernel" / "random"
+    proc.mkdir(parents=True, exist_ok=True)
+    (proc / "boot_id").write_text("boot-1\n")
+    return Settings(host=HostPaths(tmp_path / "root"), run_dir=tmp_path / "run", criu=None if criu is None else str(criu))
+
+
+def test_finds_checks_once_per_boot(tmp_path: Path) -> None:
+    criu = _criu(tmp_path)
+    settings = _settings(tmp_path, criu)
+    info = find_criu(settings)
+    assert info.version == (4, 1, 1) and info.version_text == "4.1.1" and info.path == str(criu)
+    find_criu(settings)
+    assert (tmp_path / "check-runs").read_text().count("run") == 1  # cached
+    (tmp_path / "root/proc/sys/kernel/random/boot_id").write_text("boot-2\n")
+    find_criu(settings)
+    assert (tmp_path / "check-runs").read_text().count("run") == 2  # a new boot checks again
+
+
+def test_found_on_path(tmp_path: Path) -> None:
+    criu = _criu(tmp_path)
+    assert find_criu(_settings(tmp_path, None), env_path=str(tmp_path)).path == str(criu)
+
+
+@pytest.mark.parametrize(
+    ("setup", "expect"),
+    [
+        (lambda p: p / "missing" / "criu", "CRIU not found at"),
+        (lambda p: _criu(p, version="3.17.1"), "is 3.17.1, gpusnap needs 4.0 or newer"),
+        (lambda p: _criu(p, check="fail"), "Kernel lacks seccomp"),
+    ],
+)
+def test_unusable_criu_names_the_fix(tmp_path: Path, setup, expect: str) -> None:
+    with pytest.raises(MissingDependencyError) as err:
+        find_criu(_settings(tmp_path, setup(tmp_path)))
+    assert expect in str(err.value) and "install CRIU 4.x" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_not_on_path(tmp_path: Path) -> None:
+    with pytest.raises(MissingDependencyError, match="not found on PATH"):
+        find_criu(_settings(tmp_path, None), env_path=str(tmp_path / "empty"))
