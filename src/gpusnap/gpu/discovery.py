@@ -87,6 +87,9 @@ class NvidiaInventory:
     libraries: list[DriverFile] = field(default_factory=list)
     binaries: list[DriverFile] = field(default_factory=list)
     driver_version: str = ""
+    # A folder holding the driver's libraries and nothing else (e.g. /usr/local/nvidia/lib64):
+    # containers get it whole, as one mount, instead of one mount per library.
+    lib_dir: Path | None = None
 
     @property
     def present(self) -> bool:
@@ -359,8 +362,14 @@ def nvidia_libraries(
     host: HostPaths,
     lib_dirs: Iterable[str] = DEFAULT_NVIDIA_LIB_DIRS,
     ld_cache: dict[str, Path] | None = None,
+    driver_version: str = "",
 ) -> list[DriverFile]:
-    """Driver libraries from the driver directories first, then from the ld cache."""
+    """Driver libraries from the driver directories first, then from the ld cache.
+
+    With ``driver_version`` known, ld-cache entries must resolve to files of that version
+    (``libnvidia-ml.so.580.159.04``): leftovers of an older driver package in /usr/lib would
+    otherwise be handed to containers beside the running driver's libcuda.
+    """
     found: dict[str, DriverFile] = {}
     for rel in lib_dirs:
         for f in libraries_in_dir(host.root / rel.lstrip("/")):
@@ -369,7 +378,7 @@ def nvidia_libraries(
     for name, path in cache.items():
         if _is_nvidia_lib(name) and _SONAME_RE.match(name) and name not in found:
             real = path.resolve()
-            if real.is_file():
+            if real.is_file() and (not driver_version or real.name.endswith("." + driver_version)):
                 found[name] = DriverFile(name=name, host_path=real, kind="lib")
     return sorted(found.values(), key=lambda f: f.name)
 
@@ -383,6 +392,16 @@ def nvidia_binaries(host: HostPaths, bin_dirs: Iterable[str] = DEFAULT_NVIDIA_BI
             if name not in found and p.is_file() and os.access(p, os.X_OK):
                 found[name] = DriverFile(name=name, host_path=p.resolve(), kind="bin")
     return sorted(found.values(), key=lambda f: f.name)
+
+
+def dedicated_lib_dir(host: HostPaths, lib_dirs: Iterable[str] = DEFAULT_NVIDIA_LIB_DIRS) -> Path | None:
+    """The first driver folder that holds libcuda.so.1: one mount of it gives containers every
+    driver library, versioned-only ones included, under one path that no driver version names."""
+    for rel in lib_dirs:
+        d = host.root / rel.lstrip("/")
+        if (d / "libcuda.so.1").exists():
+            return d.resolve()
+    return None
 
 
 def discover_nvidia(
@@ -400,13 +419,15 @@ def discover_nvidia(
     if nvml is None:
         nvml = nvidia_gpus_from_nvml if host.root == Path("/") else (lambda: None)
     gpus = nvml() or nvidia_gpus_from_proc(host)
+    version = gpus[0].driver_version if gpus and gpus[0].driver_version else nvidia_driver_version(host)
     return NvidiaInventory(
         control_nodes=control,
         gpu_nodes=nvidia_gpu_nodes(host),
         gpus=gpus,
-        libraries=nvidia_libraries(host, lib_dirs, ld_cache),
+        libraries=nvidia_libraries(host, lib_dirs, ld_cache, version),
         binaries=nvidia_binaries(host, bin_dirs),
-        driver_version=(gpus[0].driver_version if gpus and gpus[0].driver_version else nvidia_driver_version(host)),
+        driver_version=version,
+        lib_dir=dedicated_lib_dir(host, lib_dirs),
     )
 
 

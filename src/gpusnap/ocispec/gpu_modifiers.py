@@ -6,12 +6,14 @@ injected, applies the small units below in order. Each unit is a plain function 
 ``(spec, ...)`` that edits the spec in place and is idempotent (applying it twice gives the same
 spec), so a spec passing through create twice, or a restore reusing it, never doubles entries.
 
-Driver libraries are bind-mounted one by one at *stable* paths named by soname
-(``/usr/local/gpusnap/driver/lib/libcuda.so.1``) rather than at the host's versioned paths, and
-``LD_LIBRARY_PATH`` points there: what a process maps is then the same path on every host, so a
-checkpoint taken under one driver version restores under another where the soname resolves to
-that host's library (the failure of NVIDIA/cuda-checkpoint#21 is versioned paths baked into the
-images).
+Driver libraries appear under one *stable* folder, ``/usr/local/gpusnap/driver/lib``, and
+``LD_LIBRARY_PATH`` points there. CRIU restores a container only when every mount it dumped has a
+place to go, and programs load ``libcuda.so.1``, not ``libcuda.so.580.159.04``; so no mount may
+be named by a driver version (the failure of NVIDIA/cuda-checkpoint#21 is versioned paths baked
+into the images). Where the driver has a folder of its own (``/usr/local/nvidia/lib64``) that
+folder is mounted whole at the stable path: one mount, the same on every host, whatever version
+is inside. Otherwise each library is mounted at its soname; libraries that have no soname link
+keep their versioned name, which ties a checkpoint to that driver version (docs/devices.md).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpusnap.config import Settings
-from gpusnap.errors import MissingDependencyError, UsageError
+from gpusnap.criu.config import EXTRA_OPTIONS_ANNOTATION
+from gpusnap.errors import IncompatibleHostError, MissingDependencyError, UsageError
 from gpusnap.gpu.discovery import DeviceNode, DriverFile, Inventory, discover
 from gpusnap.gpu.selection import Selection, already_injected, cdi_device_paths, select
 
@@ -54,13 +57,17 @@ KFD_CHECK_VARS = (
 )
 CRIU_PLUGIN_DIRS = ("usr/lib/criu", "usr/local/lib/criu", "usr/lib64/criu")
 
+if TYPE_CHECKING:
+    from gpusnap.ocispec.modifiers import ModifyContext
+    from gpusnap.steps import Step
+
 SCHEMA_DIR = Path(__file__).with_name("schema")
 
 
 # ---- validation of the files this area reads or writes ------------------------------------
 
 
-@lru_cache(maxsize=None)
+@cache
 def _schema(name: str) -> dict[str, Any]:
     return json.loads((SCHEMA_DIR / name).read_text())
 
@@ -94,6 +101,7 @@ class InjectionPlan:
     nodes: list[DeviceNode] = field(default_factory=list)
     libraries: list[DriverFile] = field(default_factory=list)
     binaries: list[DriverFile] = field(default_factory=list)
+    lib_dir: Path | None = None  # mounted whole at STABLE_LIB_DIR instead of ``libraries``
     hook_path: str | None = None
     hook_env: list[str] = field(default_factory=list)
     criu_libdir: str | None = None
@@ -172,6 +180,7 @@ def plan_injection(
                 )
             plan.nodes.append(node)
         plan.libraries = list(nv.libraries)
+        plan.lib_dir = nv.lib_dir
         plan.binaries = list(nv.binaries)
     else:
         amd = inventory.amd
@@ -208,10 +217,16 @@ def add_device_nodes(spec: dict[str, Any], nodes: list[DeviceNode]) -> None:
             rules.append(rule)
 
 
-def add_driver_mounts(spec: dict[str, Any], libraries: list[DriverFile], binaries: list[DriverFile]) -> None:
-    """Read-only bind mounts of each driver file at its stable, soname-named path."""
+def add_driver_mounts(spec: dict[str, Any], libraries: list[DriverFile], binaries: list[DriverFile], lib_dir: Path | None = None) -> None:
+    """Read-only bind mounts at stable paths: the driver's library folder whole (``lib_dir``),
+    else each library at its soname; each tool at its name."""
     mounts = spec.setdefault("mounts", [])
     have = {m.get("destination") for m in mounts}
+    if lib_dir is not None:
+        if STABLE_LIB_DIR not in have:
+            mounts.append({"destination": STABLE_LIB_DIR, "type": "bind", "source": str(lib_dir), "options": ["bind", "ro", "nosuid", "nodev"]})
+            have.add(STABLE_LIB_DIR)
+        libraries = []
     for f in [*libraries, *binaries]:
         dest = f"{STABLE_LIB_DIR if f.kind == 'lib' else STABLE_BIN_DIR}/{f.name}"
         if dest in have:
@@ -236,7 +251,7 @@ def add_gpu_env(spec: dict[str, Any], plan: InjectionPlan) -> None:
     env_list: list[str] = process.setdefault("env", [])
     env = dict(e.partition("=")[::2] for e in env_list)
     updates: dict[str, str] = {}
-    if plan.libraries:
+    if plan.libraries or plan.lib_dir is not None:
         updates["LD_LIBRARY_PATH"] = _prepend_path(env.get("LD_LIBRARY_PATH"), STABLE_LIB_DIR)
     if plan.binaries:
         updates["PATH"] = _append_path(env.get("PATH") or DEFAULT_PATH, STABLE_BIN_DIR)
@@ -277,6 +292,11 @@ def add_criu_config(spec: dict[str, Any], libdir: str | None, criu_env: dict[str
     ann = spec.setdefault("annotations", {})
     if libdir:
         ann[ANN_CRIU_LIBDIR] = libdir
+        # The shim's CRIU config file (gpusnap.criu.config) takes extra long options from this
+        # annotation; "libdir DIR" is a valid line of CRIU's config syntax.
+        opts = [o.strip() for o in ann.get(EXTRA_OPTIONS_ANNOTATION, "").split(",") if o.strip()]
+        opts = [o for o in opts if not o.lstrip("-").startswith("libdir")] + [f"libdir {libdir}"]
+        ann[EXTRA_OPTIONS_ANNOTATION] = ",".join(opts)
     if criu_env:
         ann[ANN_CRIU_ENV] = json.dumps(dict(sorted(criu_env.items())), separators=(",", ":"))
 
@@ -298,7 +318,7 @@ def criu_settings_from_annotations(annotations: Mapping[str, str]) -> tuple[str 
 
 def apply_plan(spec: dict[str, Any], plan: InjectionPlan) -> dict[str, Any]:
     add_device_nodes(spec, plan.nodes)
-    add_driver_mounts(spec, plan.libraries, plan.binaries)
+    add_driver_mounts(spec, plan.libraries, plan.binaries, plan.lib_dir)
     add_gpu_env(spec, plan)
     if plan.hook_path:
         add_hooks(spec, plan.hook_path, plan.hook_env)
@@ -308,8 +328,44 @@ def apply_plan(spec: dict[str, Any], plan: InjectionPlan) -> dict[str, Any]:
     return spec
 
 
+def strip_own_injection(spec: dict[str, Any]) -> bool:
+    """Take out what an earlier pass of :class:`GpuInjection` put in (its annotation says so):
+    GPU device nodes, their allow rules, and the driver mounts. At restore this lets the current
+    host's nodes (the UVM major is dynamic) and library files replace the checkpointing host's
+    behind the same stable paths. Returns False when the spec holds no injection of ours."""
+    annotations = spec.get("annotations") or {}
+    if ANN_ASSIGNED not in annotations:
+        return False
+    linux = spec.get("linux") or {}
+    devices = linux.get("devices") or []
+    ours = [d for d in devices if str(d.get("path", "")).startswith(("/dev/nvidia", "/dev/kfd", "/dev/dri/"))]
+    linux["devices"] = [d for d in devices if d not in ours]
+    gone = {(d.get("type", "c"), d.get("major"), d.get("minor")) for d in ours}
+    resources = linux.get("resources") or {}
+    if "devices" in resources:
+        resources["devices"] = [
+            r for r in resources["devices"]
+            if not (r.get("allow") and r.get("access") == "rwm" and (r.get("type"), r.get("major"), r.get("minor")) in gone)
+        ]
+    spec["mounts"] = [m for m in spec.get("mounts") or [] if not str(m.get("destination", "")).startswith("/usr/local/gpusnap/driver/")]
+    for key in (ANN_ASSIGNED, ANN_VENDOR, ANN_CRIU_ENV):
+        annotations.pop(key, None)
+    if annotations.pop(ANN_CRIU_LIBDIR, None) is not None:
+        opts = [o for o in annotations.get(EXTRA_OPTIONS_ANNOTATION, "").split(",") if o.strip() and not o.strip().lstrip("-").startswith("libdir")]
+        if opts:
+            annotations[EXTRA_OPTIONS_ANNOTATION] = ",".join(opts)
+        else:
+            annotations.pop(EXTRA_OPTIONS_ANNOTATION, None)
+    return True
+
+
 class GpuInjection:
-    """The modifier-chain entry: discover, select, inject. Does nothing for non-GPU containers."""
+    """The modifier-chain entry (gpusnap.ocispec.modifiers.SpecModifier): discover, select,
+    inject. Does nothing for containers that ask for no GPUs.
+
+    It runs at create/run and again at restore; a spec it already modified is refreshed (its
+    own entries replaced by the current host's), never doubled.
+    """
 
     name = "gpu-devices"
 
@@ -326,12 +382,23 @@ class GpuInjection:
         self._env = env
         self._shim_path = shim_path
 
-    def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
+    def modify(self, spec: dict[str, Any]) -> dict[str, Any]:
         from gpusnap.gpu.selection import find_request
 
         if find_request(spec) is None:
             return spec  # the common case: no discovery at all for CPU containers
+        strip_own_injection(spec)
         plan = plan_injection(spec, self.settings, self._discover(self.settings), env=self._env, shim_path=self._shim_path)
         return spec if plan is None else apply_plan(spec, plan)
 
-    apply = __call__
+    def apply(self, spec: dict[str, Any], ctx: ModifyContext | None = None) -> list[Step]:
+        """SpecModifier: edit ``spec`` in place; no host-side steps are needed."""
+        try:
+            self.modify(spec)
+        except UsageError as exc:
+            if ctx is not None and ctx.command == "restore":
+                # At create this is the user's request; at restore it is this host that cannot
+                # give the checkpointed container its GPUs.
+                raise IncompatibleHostError(f"cannot restore here: {exc}") from None
+            raise
+        return []

@@ -86,6 +86,9 @@ class CriuConfigModifier:
 
 def default_chain(settings: Settings) -> list[SpecModifier]:
     """The modifiers every container gets, in order (device modifiers join this list)."""
+    from gpusnap.ocispec.gpu_modifiers import GpuInjection
+
     return [
+        GpuInjection(settings),  # before criu-config: it adds CRIU options (AMD plugin libdir)
         CriuConfigModifier(settings),
     ]
