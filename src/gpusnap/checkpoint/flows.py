@@ -31,7 +31,7 @@ from gpusnap.gpu.plan import make_gpu_plan
 from gpusnap.metadata import CheckpointMetadata
 from gpusnap.runc import run_runc, runc_version
 from gpusnap.runtime_shim.argv import Invocation, with_global_flag
-from gpusnap.steps import Step, StepFailed, run_steps
+from gpusnap.steps import Step, StepFailed, run_steps, signals_as_exceptions
 
 # How often a foreground restore polls `runc state` while waiting for the container to run.
 _POLL_S = 0.05
@@ -117,8 +117,10 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
         Step("runc checkpoint", dump),
         *plan.after_dump(ref, image_dir, meta, meta.leave_running),
     ]
-    records = run_steps(steps)
-    meta.timings_s = {r.name: round(r.seconds, 6) for r in records}
+    with signals_as_exceptions():  # a signal mid-checkpoint rolls the GPU steps back too
+        records = run_steps(steps)
+    # Keep the GPU plan's breakdown (gpu_lock, gpu_checkpoint, criu_dump, total) beside the steps.
+    meta.timings_s.update({r.name: round(r.seconds, 6) for r in records})
     image_dir.mkdir(parents=True, exist_ok=True)  # runc made it; a --page-server dump may not
     meta.write(image_dir)
     return 0

@@ -36,8 +36,12 @@ class GpuGroup:
         cls, backend: GpuBackend, host: HostPaths, init_pid: int, pids: list[int] | None = None, *, expect: ProcessGpuState = ProcessGpuState.RUNNING
     ) -> "GpuGroup":
         """Find the GPU processes among the container's PIDs; refuse unsupported ones up front."""
-        all_pids = pids or container_pids(host, init_pid)
-        procs = backend.find_processes(all_pids)
+        # The cgroup's processes (what the shim saw) and the PID namespace's: a process that left
+        # the cgroup, or one the cgroup listing missed, is still part of the cut.
+        found = set(pids or [])
+        if init_pid > 0:
+            found.update(container_pids(host, init_pid))
+        procs = backend.find_processes(sorted(found))
         for p in procs:
             reason = backend.unsupported_reason(p.host_pid)
             if reason:

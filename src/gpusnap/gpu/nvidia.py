@@ -122,7 +122,7 @@ class NvidiaBackend:
         drv = self._driver()
         res = drv.cuCheckpointProcessGetState(host_pid)
         self._check("get-state", host_pid, res)
-        return _STATES.get(int(res[1]), ProcessGpuState.FAILED)
+        return _STATES.get(int(getattr(res[1], "value", res[1])), ProcessGpuState.FAILED)
 
     def _is_cuda(self, host_pid: int) -> bool:
         # Processes without a CUDA context answer CUDA_ERROR_NOT_INITIALIZED (seen on driver 580).

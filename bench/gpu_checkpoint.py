@@ -1,0 +1,160 @@
+"""GPU container checkpoint/restore: gpusnap-runtime next to the same steps done by hand.
+
+Run on a GPU machine (tests/gpu/run_gpu_suite.sh runs it). For each size, in the same run:
+
+- gpusnap: ``gpusnap-runtime checkpoint`` (finds the GPU processes, locks, moves GPU state to
+  host memory, runs runc checkpoint), ``runc delete``, ``gpusnap-runtime restore -d``
+  (host check, runc restore, host->GPU, unlock); wall time of each command, and the breakdown
+  from gpusnap.json / gpusnap-restore.json;
+- by hand: the CUDA driver API from this process through cuda-bindings
+  (cuCheckpointProcessLock + cuCheckpointProcessCheckpoint), ``runc checkpoint``,
+  ``runc delete``, ``runc restore -d``, then cuCheckpointProcessRestore + Unlock on the new PID.
+
+Target: gpusnap within 10% of by hand. Prints a Markdown table; ``--json`` saves the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from gpu_harness import Container, Stack  # noqa: E402
+
+
+def driver():
+    from cuda.bindings import driver as cu
+
+    (err,) = cu.cuInit(0)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    return cu
+
+
+def ok(res, what):
+    assert res[0] == 0, f"{what}: {res[0]}"
+
+
+def gpusnap_cycle(stack: Stack, gb: float, images: Path) -> dict:
+    c = Container(stack, gb=gb)
+    try:
+        c.start(ready_timeout=600)
+        c.wait_step(50, timeout=300)
+        ck = c.checkpoint(images)
+        assert ck.rc == 0, ck.stderr
+        meta = json.loads((images / "gpusnap.json").read_text())
+        at = c.last_step()
+        c.delete()
+        rs = c.restore(images)
+        assert rs.rc == 0, rs.stderr
+        rt = json.loads((images / "gpusnap-restore.json").read_text())["timings_s"]
+        c.wait_step(at + 20, timeout=300)  # it goes on
+        t = meta["timings_s"]
+        return {
+            "checkpoint_s": ck.seconds, "restore_s": rs.seconds,
+            "lock_s": t["gpu_lock"], "gpu_to_host_s": t["gpu_checkpoint"], "criu_dump_s": t["criu_dump"],
+            "criu_restore_s": rt["runc_restore"], "host_to_gpu_s": rt["gpu_restore"], "unlock_s": rt["gpu_unlock"],
+            "image_gib": sum(f.stat().st_size for f in images.iterdir()) / (1 << 30),
+        }
+    finally:
+        c.cleanup()
+        shutil.rmtree(images, ignore_errors=True)
+
+
+def by_hand_cycle(stack: Stack, gb: float, images: Path, timeout_ms: int = 10_000) -> dict:
+    cu = driver()
+    c = Container(stack, gb=gb, via_shim=False)
+    try:
+        c.start(ready_timeout=600)
+        c.wait_step(50, timeout=300)
+        t0 = time.perf_counter()
+        (pid,) = c.worker_pids()
+        la = cu.CUcheckpointLockArgs()
+        la.timeoutMs = timeout_ms
+        ok(cu.cuCheckpointProcessLock(pid, la), "lock")
+        t1 = time.perf_counter()
+        ok(cu.cuCheckpointProcessCheckpoint(pid, None), "checkpoint")
+        t2 = time.perf_counter()
+        ck = c.checkpoint(images)
+        assert ck.rc == 0, ck.stderr
+        t3 = time.perf_counter()
+        at = c.last_step()
+        c.delete()
+        t4 = time.perf_counter()
+        rs = c.restore(images)
+        assert rs.rc == 0, rs.stderr
+        t5 = time.perf_counter()
+        (pid,) = c.worker_pids()
+        ok(cu.cuCheckpointProcessRestore(pid, None), "restore")
+        t6 = time.perf_counter()
+        ok(cu.cuCheckpointProcessUnlock(pid, None), "unlock")
+        t7 = time.perf_counter()
+        c.wait_step(at + 20, timeout=300)
+        return {
+            "checkpoint_s": t3 - t0, "restore_s": t7 - t4,
+            "lock_s": t1 - t0, "gpu_to_host_s": t2 - t1, "criu_dump_s": t3 - t2,
+            "criu_restore_s": t5 - t4, "host_to_gpu_s": t6 - t5, "unlock_s": t7 - t6,
+            "image_gib": sum(f.stat().st_size for f in images.iterdir()) / (1 << 30),
+        }
+    finally:
+        c.cleanup()
+        shutil.rmtree(images, ignore_errors=True)
+
+
+def gpu_line() -> str:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown GPU"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1,8,32", help="GiB of GPU state, comma separated")
+    ap.add_argument("--images", default="/dev/shm/gs-gpu-bench", help="where checkpoint images go (tmpfs keeps disk speed out of it)")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--deadline", type=float, default=0, help="epoch seconds: skip sizes that would not end before it")
+    ap.add_argument("--work", default="/tmp/gs-gpu-bench-work")
+    args = ap.parse_args()
+    criu, runc = shutil.which("criu"), shutil.which("runc")
+    shim = shutil.which("gpusnap-runtime") or str(Path(sys.executable).parent / "gpusnap-runtime")
+    assert criu and runc, "criu and runc must be on PATH"
+    stack = Stack(base=Path(args.work), mode="cuda", gpu_backend="nvidia", shim=shim, runc=runc, tools_bin=os.path.dirname(criu), pythonpath=os.environ.get("PYTHONPATH", ""))
+    rows = []
+    gpu = gpu_line()
+    for gb in [float(s) for s in args.sizes.split(",")]:
+        # About 6 s per GiB for both cycles together on an H200 with images on tmpfs, plus start-up.
+        if args.deadline and time.time() + 30 + 6 * gb > args.deadline:
+            rows.append({"gib": gb, "skipped": "not enough time left in this run"})
+            print(f"{gb:g} GiB: skipped (time)", flush=True)
+            continue
+        g = gpusnap_cycle(stack, gb, Path(args.images) / f"gpusnap-{gb:g}")
+        h = by_hand_cycle(stack, gb, Path(args.images) / f"hand-{gb:g}")
+        row = {"gib": gb, "gpusnap": g, "by_hand": h, "checkpoint_ratio": g["checkpoint_s"] / h["checkpoint_s"], "restore_ratio": g["restore_s"] / h["restore_s"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=2))
+    print(f"\nGPU: {gpu}\n")
+    print("| GiB | who | checkpoint s | (lock / GPU→host / CRIU dump) | restore s | (CRIU restore / host→GPU / unlock) | image GiB | gpusnap ÷ by hand |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "skipped" in r:
+            print(f"| {r['gib']:g} | — | skipped: {r['skipped']} | | | | | |")
+            continue
+        for who in ("gpusnap", "by_hand"):
+            x = r[who]
+            ratio = f"ckpt {r['checkpoint_ratio']:.3f}, restore {r['restore_ratio']:.3f}" if who == "gpusnap" else ""
+            print(
+                f"| {r['gib']:g} | {who.replace('_', ' ')} | {x['checkpoint_s']:.2f} | {x['lock_s']:.3f} / {x['gpu_to_host_s']:.2f} / {x['criu_dump_s']:.2f} "
+                f"| {x['restore_s']:.2f} | {x['criu_restore_s']:.2f} / {x['host_to_gpu_s']:.2f} / {x['unlock_s']:.3f} | {x['image_gib']:.1f} | {ratio} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

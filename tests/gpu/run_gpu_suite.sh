@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The one command for a GPU machine: sets everything up and runs the whole GPU suite
+# (tests/gpu, including the device tests) and then the benchmark, printing a short table last.
+#
+#   sudo bash tests/gpu/run_gpu_suite.sh          (from a checkout, on the GPU machine)
+#
+# Needs root, an NVIDIA GPU with driver >= 570 (580 for GPU remapping), and python3 with torch
+# and cuda-bindings. It reaches no package registry: next to the checkout it expects
+#   .gpu-tools/  CRIU 4.x + runc (built elsewhere by gpu-probe/make-tools.sh, or tests/gpu/stage.sh)
+#   .whl/        wheels of gpusnap itself and of the Python packages the machine lacks
+# (tests/gpu/stage.sh DEST builds both). Logs and JSON land in $OUT (default /tmp/gs-gpu-out).
+# Exit status: the suite's (pytest), or the benchmark's if the suite passed.
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+TOOLS=${GS_GPU_TOOLS:-$REPO/.gpu-tools}
+WHEELS=${GS_GPU_WHEELS:-$REPO/.whl}
+OUT=${OUT:-/tmp/gs-gpu-out}
+SITE=${GS_GPU_SITE:-/tmp/gs-gpu-site}
+START=$(date +%s)
+BUDGET=${GS_GPU_BUDGET:-0}   # seconds for the whole run; the benchmark skips sizes that would overrun
+mkdir -p "$OUT"
+[ -x "$TOOLS/bin/criu" ] && [ -x "$TOOLS/bin/runc" ] || { echo "run_gpu_suite: $TOOLS/bin/{criu,runc} missing; build them with tests/gpu/stage.sh" >&2; exit 5; }
+ls "$WHEELS"/gpusnap-*.whl >/dev/null 2>&1 || { echo "run_gpu_suite: no gpusnap wheel in $WHEELS; build it with tests/gpu/stage.sh" >&2; exit 5; }
+nvidia-smi -L >/dev/null 2>&1 || { echo "run_gpu_suite: nvidia-smi finds no GPU here" >&2; exit 5; }
+
+# gpusnap and the few packages the machine lacks, with no dependency resolution and no index,
+# into python3's own environment: runc runs gpusnap-hook with the spec's environment only, so
+# gpusnap must import without PYTHONPATH. Where that environment is read-only: a --target dir.
+if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "$WHEELS"/*.whl; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 5
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PATH=$TOOLS/bin:$(dirname "$(command -v python3)"):$SITE/bin:$PATH PYTHONUNBUFFERED=1
+export GPUSNAP_GPU_TOOLS=$TOOLS   # the device tests (test_gpu_devices.py) find runc there
+export GS_GPU_REPORT=$OUT/suite-rows.jsonl
+rm -f "$GS_GPU_REPORT"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  runc --version | head -1
+  criu --version | head -1
+  python3 -c 'import torch, cuda.bindings, gpusnap; print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "cuda-bindings", cuda.bindings.__version__, "gpusnap", gpusnap.__version__)'
+  criu check 2>&1 | tail -1
+} 2>&1 | tee "$OUT/env.txt"
+
+cd "$REPO"
+python3 -m pytest -p no:cacheprovider -v -rfEs --timeout=400 --junitxml="$OUT/junit.xml" tests/gpu 2>&1 | tee "$OUT/suite.log"
+SUITE=${PIPESTATUS[0]}
+DEADLINE=0
+[ "$BUDGET" -gt 0 ] && DEADLINE=$((START + BUDGET))
+python3 bench/gpu_checkpoint.py --sizes "${GS_GPU_BENCH_SIZES:-1,8,32}" --json "$OUT/bench.json" --deadline "$DEADLINE" 2>&1 | tee "$OUT/bench.log"
+BENCH=${PIPESTATUS[0]}
+
+echo
+echo "== GPU suite ($(head -1 "$OUT/env.txt"))"
+python3 - "$OUT/junit.xml" "$GS_GPU_REPORT" <<'PY'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+cases = ET.parse(sys.argv[1]).getroot().iter("testcase") if Path(sys.argv[1]).exists() else []
+counts = {}
+for c in cases:
+    status = "failed" if c.find("failure") is not None or c.find("error") is not None else "skipped" if c.find("skipped") is not None else "passed"
+    counts[status] = counts.get(status, 0) + 1
+    print(f"  {status:7} {c.get('classname', '').split('.')[-1]}::{c.get('name')} ({float(c.get('time', 0)):.1f} s)")
+print("  " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+rows = [json.loads(l) for l in Path(sys.argv[2]).read_text().splitlines()] if Path(sys.argv[2]).exists() else []
+if rows:
+    print("\n| test | GiB | checkpoint s | restore s | lock / GPU→host / CRIU dump s | CRIU restore / host→GPU s | steps compared bit for bit |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        br = " / ".join(str(r.get(k, "")) for k in ("gpu_lock_s", "gpu_to_host_s", "criu_dump_s")) if "gpu_lock_s" in r else ""
+        rr = " / ".join(str(r.get(k, "")) for k in ("runc_restore_s", "host_to_gpu_s")) if "runc_restore_s" in r else ""
+        print(f"| {r['test']} | {r['gib']} | {r.get('checkpoint_s', '')} | {r.get('restore_s', '')} | {br} | {rr} | {r.get('steps_compared', '')} |")
+PY
+echo
+echo "== Benchmark"
+sed -n '/^GPU:/,$p' "$OUT/bench.log"
+[ "$SUITE" -ne 0 ] && exit "$SUITE"
+exit "$BENCH"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds what run_gpu_suite.sh needs on a GPU machine that reaches no registry, into DEST:
+# a copy of the checkout's tests/, bench/ and pyproject.toml, .gpu-tools/ (CRIU 4.1.1 + runc
+# from Debian 13 packages, GPU_TOOLS_SCRIPT builds it) and .whl/ (gpusnap's wheel plus the
+# wheels of jsonschema and its dependencies, which the GPU image lacks). Run it on a Debian
+# host with pip; then copy DEST to the GPU machine and run DEST/tests/gpu/run_gpu_suite.sh.
+set -euo pipefail
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+DEST=$(realpath -m "${1:?usage: stage.sh DEST [TOOLS_DIR]}")
+TOOLS=${2:-}
+mkdir -p "$DEST/.whl"
+rm -rf "$DEST/tests" "$DEST/bench"
+cp -r "$SRC/tests" "$SRC/bench" "$SRC/pyproject.toml" "$DEST/"
+find "$DEST" -name __pycache__ -prune -exec rm -rf {} +
+if [ -n "$TOOLS" ]; then
+  rm -rf "$DEST/.gpu-tools"; cp -r "$TOOLS" "$DEST/.gpu-tools"
+elif [ ! -x "$DEST/.gpu-tools/bin/criu" ]; then
+  bash "${GPU_TOOLS_SCRIPT:?set GPU_TOOLS_SCRIPT to make-tools.sh or pass TOOLS_DIR}" "$DEST/.gpu-tools"
+fi
+rm -f "$DEST"/.whl/gpusnap-*.whl
+PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST/.whl" "$SRC"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST/.whl" \
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+du -sh "$DEST"
