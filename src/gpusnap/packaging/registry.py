@@ -112,20 +112,27 @@ class RegistryClient:
         retries: int = 6,
         backoff_s: float = 0.5,
         timeout_s: float = 60.0,
+        monolithic_limit: int = MONOLITHIC_LIMIT,
+        patch_size: int = PATCH_SIZE,
+        workers: int = WORKERS,
     ) -> None:
         self.registry = registry
+        self.monolithic_limit = monolithic_limit
+        self.patch_size = patch_size
+        self.workers = workers
         self.base = f"{'http' if insecure else 'https'}://{registry}"
         self.creds = credentials if credentials is not None else find_credentials(registry, auth_sources)
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
         self.session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=WORKERS * 2)
+        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=workers * 2)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         self.session.headers["User-Agent"] = "gpusnap"
         self._lock = threading.Lock()
         self._auth: dict[str, str] = {}  # scope → Authorization header value
+        self.recoveries: list[tuple[str, int, int]] = []  # (blob, offset at failure, offset resumed from)
         self._challenge: tuple[str, dict[str, str]] | None = None
 
     # ---- auth ---------------------------------------------------------------------------------
@@ -286,7 +293,7 @@ class RegistryClient:
     def upload_blob(self, repo: str, desc: Descriptor, path: Path, progress: Progress, upload_url: str | None = None) -> None:
         scope = f"repository:{repo}:pull,push"
         url = upload_url or self.start_upload(repo)
-        if desc.size <= MONOLITHIC_LIMIT:
+        if desc.size <= self.monolithic_limit:
             sent = [0]
 
             def body() -> _FileBody:
@@ -322,12 +329,22 @@ class RegistryClient:
         m = re.match(r"^(?:bytes=)?0-(\d+)$", rng)
         return int(m.group(1)) + 1 if m else 0
 
+    def _upload_offset_retrying(self, url: str, scope: str) -> int | None:
+        for attempt in range(self.retries):
+            try:
+                return self._upload_offset(url, scope)
+            except RegistryError:
+                if attempt + 1 >= self.retries:
+                    raise
+                time.sleep(self.backoff_s * (2 ** attempt))
+        return None
+
     def _chunked_upload(self, repo: str, desc: Descriptor, path: Path, progress: Progress, url: str) -> None:
         scope = f"repository:{repo}:pull,push"
         offset = 0
         failures = 0
         while offset < desc.size:
-            n = min(PATCH_SIZE, desc.size - offset)
+            n = min(self.patch_size, desc.size - offset)
             start = offset
             sent = [0]
             try:
@@ -345,13 +362,14 @@ class RegistryClient:
                 if failures >= self.retries:
                     raise
                 time.sleep(self.backoff_s * (2 ** (failures - 1)))
-                # Ask the registry how much it kept and go on from there (the resume).
-                try:
-                    held = self._upload_offset(url, scope)
-                except RegistryError:
-                    continue
+                # Never PATCH again blindly: a half-received PATCH may have left bytes the
+                # session's state does not account for. Ask the registry what it holds (the
+                # resume); if it no longer knows the session, start this blob again.
+                held = self._upload_offset_retrying(url, scope)
                 if held is None:
                     url, held = self.start_upload(repo), 0
+                with self._lock:
+                    self.recoveries.append((desc.digest, offset, held))
                 progress.advance(held - offset)
                 offset = held
         r = self.request("PUT", _with_query(url, digest=desc.digest), scope=scope, ok=(201,), headers={"Content-Length": "0"})
@@ -570,7 +588,7 @@ def push_artifact(
             stats["uploaded"] += bd.size
 
     try:
-        _parallel(one, list(blobs.values()))
+        _parallel(one, list(blobs.values()), client.workers)
         r = client.put_manifest(repo, target.tag or "latest", manifest_bytes, manifest.get("mediaType", MEDIA_OCI_MANIFEST))
         got = r.headers.get("Docker-Content-Digest")
         if got and got != desc.digest:
@@ -589,11 +607,11 @@ def push_artifact(
                       time.monotonic() - started)
 
 
-def _parallel(fn: Callable[[Descriptor], Any], items: list[Descriptor]) -> list[Any]:
+def _parallel(fn: Callable[[Descriptor], Any], items: list[Descriptor], workers: int) -> list[Any]:
     """Run ``fn`` over ``items`` on worker threads, biggest first; the first error cancels the rest."""
     items = sorted(items, key=lambda d: -d.size)
     results = []
-    with ThreadPoolExecutor(max_workers=min(WORKERS, max(1, len(items)))) as pool:
+    with ThreadPoolExecutor(max_workers=min(workers, max(1, len(items)))) as pool:
         futures = [pool.submit(fn, d) for d in items]
         try:
             for f in futures:
@@ -660,7 +678,7 @@ def pull_artifact(
     local_ref = str(RemoteRef(source.registry, source.repository, source.tag, None if source.tag else source.digest))
     with store.writing():
         try:
-            _parallel(one, list(blobs.values()))
+            _parallel(one, list(blobs.values()), client.workers)
             store.put_bytes(data, digest)
             store.tag(local_ref, Descriptor(media or MEDIA_OCI_MANIFEST, digest, len(data), artifact_type=manifest.get("artifactType")))
         except BaseException:

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gs_pkg_registry import Registry
+
+pytestmark = pytest.mark.integration
+
+
+def _need(*tools: str) -> None:
+    for t in tools:
+        if not shutil.which(t) and not os.path.exists(t):
+            pytest.skip(f"{t} not installed (run tests/host/provision.sh)")
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    _need("/usr/bin/docker-registry")
+    reg = Registry(tmp_path / "registry").start()
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture
+def auth_registry(tmp_path: Path) -> Iterator[Registry]:
+    _need("/usr/bin/docker-registry")
+    reg = Registry(tmp_path / "registry-auth", user="gs-pkg-user", password="gs-pkg-secret").start()
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture(autouse=True)
+def _no_home_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Never read or write the real ~/.docker or auth.json of the machine running the tests.
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("DOCKER_CONFIG", raising=False)
+    monkeypatch.delenv("REGISTRY_AUTH_FILE", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
