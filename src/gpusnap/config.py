@@ -53,6 +53,11 @@ class Settings:
     gpu_backend: str = "auto"  # auto | nvidia | none | standin:<state-dir>
     lock_timeout_ms: int = 10_000  # how long the GPU lock may wait for in-flight work
     hook_path: str | None = None  # gpusnap-hook binary to inject; None = next to the shim
+    # runc-direct bridge networking (gpusnap.network): the bridge, its subnet, and the prefix of
+    # what gpusnap names on the host (netns "<prefix>-<id>", nft table and veths without '-').
+    network_bridge: str = "gpusnap0"
+    network_subnet: str = "10.210.0.0/16"
+    network_prefix: str = "gpusnap"
     config_file: Path = DEFAULT_CONFIG_FILE
 
 
@@ -66,6 +71,9 @@ _ENV = {
     "GPUSNAP_GPU_BACKEND": "gpu_backend",
     "GPUSNAP_LOCK_TIMEOUT_MS": "lock_timeout_ms",
     "GPUSNAP_HOOK": "hook_path",
+    "GPUSNAP_BRIDGE": "network_bridge",
+    "GPUSNAP_SUBNET": "network_subnet",
+    "GPUSNAP_NET_PREFIX": "network_prefix",
 }
 
 _FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"root"}

@@ -60,6 +60,35 @@ exec "$P/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" --library-path "$P/usr/l
 EOS
   chmod 0755 "$CRIU_PREFIX/bin/criu"
 fi
+# ---- CRIU 4.2 beside it, for TCP sockets ----------------------------------------------------
+# CRIU < 4.2 reads SO_PASSCRED/SO_PASSSEC from every socket; kernels >= 6.16 refuse that on TCP
+# sockets, so no process holding a TCP socket can be dumped ("sockets: Can't get 1:16 opt").
+# CRIU 4.2 has the fix; Debian ships it in sid only. apt runs with a private source list and
+# state directory here, so the host's apt configuration is left exactly as it was.
+CRIU42_PREFIX=${GPUSNAP_CRIU42_PREFIX:-/opt/gpusnap-criu42}
+if ! "$CRIU42_PREFIX/bin/criu" --version 2>/dev/null | grep -Eq 'Version: 4\.([2-9]|[1-9][0-9])'; then
+  say "installing CRIU 4.2 (Debian sid) into $CRIU42_PREFIX"
+  apt_dir=$(mktemp -d)
+  mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$apt_dir/debs"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian sid main" > "$apt_dir/sources.list"
+  apt_opts=(-o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o "Dir::Etc::sourceparts=-" -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache")
+  apt-get "${apt_opts[@]}" update -qq >>"$LOG" 2>&1
+  (cd "$apt_dir/debs" && apt-get "${apt_opts[@]}" download criu libcompel1 libc6 libgnutls30t64 libnettle8t64 \
+     libhogweed6t64 libunistring5 libp11-kit0 libidn2-0 libtasn1-6 libgmp10 libbsd0 libnet9 \
+     libnftables1 libnl-3-200 libprotobuf-c1 libuuid1 libmd0 libjansson4 libmnl0 libnftnl11 \
+     libxtables12 libffi8 libedit2 libtinfo6 libbz2-1.0 libzstd1 libseccomp2 >>"$LOG" 2>&1)
+  rm -rf "$CRIU42_PREFIX"; mkdir -p "$CRIU42_PREFIX/bin" "$CRIU42_PREFIX/root"
+  for f in "$apt_dir"/debs/*.deb; do dpkg -x "$f" "$CRIU42_PREFIX/root"; done
+  rm -rf "$apt_dir" "$CRIU42_PREFIX/root/usr/share/doc" "$CRIU42_PREFIX/root/usr/share/man"
+  cat > "$CRIU42_PREFIX/bin/criu" <<'EOS'
+#!/bin/sh
+# CRIU 4.2 from Debian sid with its own glibc, run through its own dynamic loader.
+P=$(dirname "$(dirname "$(readlink -f "$0")")")/root
+exec "$P/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" --library-path "$P/usr/lib/x86_64-linux-gnu" "$P/usr/sbin/criu" "$@"
+EOS
+  chmod 0755 "$CRIU42_PREFIX/bin/criu"
+  "$CRIU42_PREFIX/bin/criu" check >>"$LOG" 2>&1 || say "warning: CRIU 4.2 check failed; see $LOG"
+fi
 # runc (and podman's runc) look CRIU up as `criu` on PATH.
 ln -sf "$CRIU_PREFIX/bin/criu" /usr/local/sbin/criu
 mkdir -p /etc/criu

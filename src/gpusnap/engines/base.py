@@ -55,6 +55,7 @@ class CheckpointOptions:
 class RestoreOptions:
     name: str | None = None  # new container name; None = engine's choice / the original name
     tcp_established: bool = False
+    ip: str | None = None  # runc-direct bridge network: restore at this address instead of the recorded one
 
 
 @dataclass

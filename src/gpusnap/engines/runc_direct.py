@@ -68,6 +68,8 @@ class RuncDirectRecord:
     status: str = "created"  # created | running | checkpointed | exited (runc's state wins when it has one)
     logcopy_pid: int = 0
     network_record: dict[str, Any] | None = None
+    publish: list[str] = field(default_factory=list)  # host ports published with --network bridge
+    ip: str = ""  # address asked for with --ip (run, or restore at another address); "" = IPAM's pick
     restored_from: str = ""
 
     @classmethod
@@ -148,14 +150,22 @@ def make_spec(name: str, command: list[str], rootfs: Path, env: list[str], netns
     }
 
 
+def find_shim() -> str | None:
+    """gpusnap-runtime on PATH or beside this Python (a venv not on PATH), when it is usable."""
+    shim = shutil.which("gpusnap-runtime") or shutil.which("gpusnap-runtime", path=str(Path(sys.executable).parent))
+    if shim and importlib.util.find_spec("gpusnap.runtime_shim.main") is not None:
+        return shim
+    return None
+
+
 def runtime_command(settings: Settings) -> tuple[list[str], str]:
     """The OCI runtime runc-direct drives and its name: gpusnap-runtime when installed, else runc.
 
     The shim is what adds GPU state to checkpoints; the plain runc fallback keeps CPU
     containers working while the shim is absent (doctor says so).
     """
-    shim = shutil.which("gpusnap-runtime") or shutil.which("gpusnap-runtime", path=str(Path(sys.executable).parent))
-    if shim and importlib.util.find_spec("gpusnap.runtime_shim.main") is not None:
+    shim = find_shim()
+    if shim:
         return [shim], "gpusnap-runtime"
     runc = settings.runc or shutil.which("runc")
     if not runc:
@@ -249,7 +259,7 @@ class RuncDirectEngine:
             created=rec.created,
             command=list(rec.command),
             bundle=str(self.container_dir(rec.name) / "bundle"),
-            labels={"network": rec.network},
+            labels={"network": rec.network, **({"ip": rec.network_record["address"]} if rec.network_record else {})},
         )
 
     def get(self, ref: str) -> ContainerInfo | None:
@@ -269,13 +279,25 @@ class RuncDirectEngine:
                 out.append(self._info(rec))
         return out
 
-    def run(self, name: str, command: list[str], *, rootfs: str = BUSYBOX_ROOTFS, network: str = "none", env: list[str] | None = None) -> ContainerInfo:
+    def run(
+        self,
+        name: str,
+        command: list[str],
+        *,
+        rootfs: str = BUSYBOX_ROOTFS,
+        network: str = "none",
+        env: list[str] | None = None,
+        publish: list[str] | None = None,
+        ip: str | None = None,
+    ) -> ContainerInfo:
         """Create and start a container; on any failure everything made so far is taken back."""
         validate_name(name)
         if not command:
             raise UsageError("no command given; pass the program to run after the options, e.g. `gpusnap run NAME -- sh -c '...'`")
         if network not in NETWORK_MODES:
             raise UsageError(f"unknown network {network!r}; use one of {', '.join(NETWORK_MODES)}")
+        if (publish or ip) and network != "bridge":
+            raise UsageError("--publish and --ip need --network bridge")
         if rootfs != BUSYBOX_ROOTFS:
             src = Path(rootfs).resolve()
             if not src.is_dir():
@@ -283,8 +305,11 @@ class RuncDirectEngine:
             rootfs = str(src)
         self.require()
         if self._load(name) is not None or (self.runc_root / name).exists():
-            raise UsageError(f"a runc-direct container named {name} already exists; pick another name or `gpusnap rm {name}`")
-        rec = RuncDirectRecord(name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now())
+            raise UsageError(f"a runc-direct container named {name} already exists; pick another name or `gpusnap delete {name}`")
+        rec = RuncDirectRecord(
+            name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now(), publish=list(publish or []),
+            ip=ip or "",
+        )
         self._start(rec, restore_from=None)
         info = self.get(name)
         assert info is not None
@@ -319,9 +344,11 @@ class RuncDirectEngine:
             return
         manager = _network_manager(self.settings)
         if rec.network_record:
-            rec.network_record = _record_to_dict(manager.recreate(_record_from_dict(rec.network_record)))
+            old = _record_from_dict(rec.network_record)
+            rec.network_record = _record_to_dict(manager.recreate(old, ip=rec.ip or None, container_id=rec.name))
         else:
-            rec.network_record = _record_to_dict(manager.create(rec.name, _network_request(rec.network)))
+            request = manager.request(_parse_publish(rec.publish), ip=rec.ip or None)
+            rec.network_record = _record_to_dict(manager.create(rec.name, request))
         self._save(rec)
 
     def _network_down(self, rec: RuncDirectRecord) -> None:
@@ -426,6 +453,9 @@ class RuncDirectEngine:
             # runc deleted the container after dumping it; keep the record so `ps` shows it.
             rec.status = "checkpointed"
             self._save(rec)
+            # Its network goes too (the checkpoint carries the record): a restore, under this
+            # name or another, recreates it with the same address for --tcp-established.
+            self._network_down(rec)
         return EngineCheckpoint(form=self.form, path=dest, image_dir=dest, container=container)
 
     def restore(self, source: Path, opts: RestoreOptions) -> ContainerInfo:
@@ -437,7 +467,7 @@ class RuncDirectEngine:
         name = validate_name(opts.name or old.name)
         self.require()
         if self._load(name) is not None or (self.runc_root / name).exists():
-            raise UsageError(f"a runc-direct container named {name} already exists; restore with --name NEW or `gpusnap rm {name}`")
+            raise UsageError(f"a runc-direct container named {name} already exists; restore with --name NEW or `gpusnap delete {name}`")
         if old.rootfs != BUSYBOX_ROOTFS and not Path(old.rootfs).is_dir():
             raise RestoreError(f"the checkpoint's root filesystem {old.rootfs} is not on this host; copy it there first")
         rec = RuncDirectRecord(
@@ -448,6 +478,8 @@ class RuncDirectEngine:
             env=old.env,
             created=rfc3339_now(),
             network_record=old.network_record if old.network != "none" else None,
+            publish=old.publish,
+            ip=opts.ip or "",
             restored_from=old.name,
         )
         self._start(rec, restore_from=source, spec=saved["spec"], tcp_established=opts.tcp_established)
@@ -471,6 +503,9 @@ class RuncDirectEngine:
         state = self._runtime_state(container.name)
         return bool(state and state.get("status") == "running")
 
+    def checkpoint_extra(self, cp: EngineCheckpoint) -> dict[str, Any]:
+        return _checkpoint_extra(cp)
+
     def logs(self, container: ContainerInfo) -> str:
         path = self.log_path(container.name)
         return path.read_text(errors="replace") if path.is_file() else ""
@@ -489,33 +524,34 @@ def _retarget_spec(spec: dict[str, Any], name: str, rootfs: Path, netns_path: st
 
 
 def _network_manager(settings: Settings) -> Any:
-    try:
-        from gpusnap.network import NetworkManager  # type: ignore[attr-defined]
-    except ImportError:
-        raise MissingDependencyError("bridge networking is not available in this gpusnap build; use --network none") from None
+    from gpusnap.network import NetworkManager
+
     return NetworkManager(settings)
 
 
-def _network_request(mode: str) -> Any:
-    from gpusnap import network
+def _parse_publish(publish: list[str]) -> Any:
+    from gpusnap.network import parse_publish_list
 
-    request_cls = getattr(network, "NetworkRequest", None)
-    return request_cls() if request_cls else {"mode": mode}
+    return parse_publish_list(publish)
+
+
+def _checkpoint_extra(cp: EngineCheckpoint) -> dict[str, Any]:
+    """What runc-direct adds to the checkpoint metadata's ``extra``: the network record."""
+    record_path = cp.path / BUNDLE_RECORD
+    if not record_path.is_file():
+        return {}
+    network_record = json.loads(record_path.read_text())["record"].get("network_record")
+    return {"network": network_record} if network_record else {}
 
 
 def _record_to_dict(record: Any) -> dict[str, Any]:
-    if hasattr(record, "to_dict"):
-        return record.to_dict()
-    return asdict(record)
+    return record.to_dict()
 
 
 def _record_from_dict(data: dict[str, Any]) -> Any:
-    from gpusnap import network
+    from gpusnap.network import NetworkRecord
 
-    record_cls = getattr(network, "NetworkRecord")
-    if hasattr(record_cls, "from_dict"):
-        return record_cls.from_dict(data)
-    return record_cls(**data)
+    return NetworkRecord.from_dict(data)
 
 
 def _close_quietly(fd: int) -> None:

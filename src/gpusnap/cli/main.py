@@ -1,0 +1,113 @@
+"""The `gpusnap` command: thin typer commands over gpusnap's core.
+
+Every expected failure is a GpusnapError; :func:`main` prints it as one line and exits with its
+ExitCode (listed in `gpusnap --help`). Tracebacks only with -v.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from gpusnap import __version__
+from gpusnap.cli.output import Out, human_size
+from gpusnap.config import Settings, load_settings
+from gpusnap.errors import ExitCode, GpusnapError, NotFoundError, UsageError
+
+EPILOG = "Exit codes: " + ", ".join(f"{c.value} {c.name.lower().replace('_', ' ')}" for c in ExitCode) + "."
+ENGINE_HELP = "auto (find the engine that owns it), runc-direct, podman or docker"
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What every command gets from the global options (kept in click's context object)."""
+
+    settings: Settings
+    out: Out
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"gpusnap {__version__}")
+        raise typer.Exit(0)
+
+
+def build_app() -> typer.Typer:
+    app = typer.Typer(
+        name="gpusnap",
+        help="Checkpoint GPU (and CPU) containers, move them through a registry, restore them anywhere.",
+        epilog=EPILOG,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+    @app.callback()
+    def _global(
+        ctx: typer.Context,
+        verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Print details and, on failure, the traceback.")] = False,
+        config: Annotated[Optional[Path], typer.Option("--config", envvar="GPUSNAP_CONFIG", help="Config file (default /etc/gpusnap/config.toml).")] = None,
+        version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, callback=_print_version)] = False,
+    ) -> None:
+        ctx.obj = Ctx(settings=load_settings(config_file=config), out=Out.make(verbose))
+
+    from gpusnap.cli import containers, demo, doctor_cmd, snapshot
+
+    for module in (snapshot, containers, doctor_cmd, demo):
+        module.register(app)
+    _register_optional(app)
+    return app
+
+
+def _register_optional(app: typer.Typer) -> None:
+    """Command modules other parts of gpusnap add (install, suspend, artifacts) when present."""
+    import importlib
+
+    for name in ("gpusnap.cli.artifacts", "gpusnap.cli.install", "gpusnap.cli.suspend"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    # -v is parsed by typer too; it is read here because the error handler runs after typer's
+    # context is gone.
+    verbose = any(a in ("-v", "--verbose") for a in args)
+    try:
+        # Standalone mode: typer/click print usage errors themselves (exit 2) and turn --help,
+        # completion and typer.Exit into SystemExit, which passes through here.
+        build_app()(args=args, prog_name="gpusnap")
+    except GpusnapError as exc:
+        if verbose:
+            traceback.print_exc()
+        print(f"gpusnap: error: {exc}", file=sys.stderr)
+        sys.exit(int(exc.exit_code))
+    except KeyboardInterrupt:
+        print("gpusnap: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - unexpected: one line, details with -v
+        if verbose:
+            traceback.print_exc()
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"gpusnap: internal error: {type(exc).__name__}: {msg} (run again with -v for details and report it)", file=sys.stderr)
+        sys.exit(int(ExitCode.FAILURE))
+
+
+def get_ctx(ctx: typer.Context) -> Ctx:
+    obj = ctx.find_root().obj
+    if not isinstance(obj, Ctx):  # called without the callback (tests calling commands directly)
+        obj = Ctx(settings=load_settings(), out=Out.make())
+    return obj
+
+
+__all__ = ["main", "build_app", "get_ctx", "Ctx", "human_size", "NotFoundError", "UsageError"]

@@ -1,0 +1,67 @@
+"""`gpusnap checkpoint` and `gpusnap restore`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from gpusnap.cli.output import human_size
+from gpusnap.engines import flows
+from gpusnap.engines.base import CheckpointOptions
+
+ENGINE_OPT = typer.Option("--engine", "-e", help="auto (the engine that owns it), runc-direct, podman or docker.")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def checkpoint(
+        ctx: typer.Context,
+        container: Annotated[str, typer.Argument(help="Container name or ID.")],
+        push: Annotated[Optional[str], typer.Option("--push", help="Also push to this reference, e.g. registry.example.com/snaps/app:step-1200.")] = None,
+        output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the checkpoint to this path instead of the local store.")] = None,
+        leave_running: Annotated[bool, typer.Option("--leave-running", help="Keep the container running after the checkpoint.")] = False,
+        compress: Annotated[bool, typer.Option("--compress", help="Compress the stored layers (zstd).")] = False,
+        tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Checkpoint open TCP connections.")] = False,
+        engine: Annotated[str, ENGINE_OPT] = "auto",
+        insecure: Annotated[bool, typer.Option("--insecure", help="Allow a plain-HTTP registry.")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    ) -> None:
+        """Checkpoint a container through its engine, store it locally, push it if asked."""
+        from gpusnap.cli.main import get_ctx
+
+        c = get_ctx(ctx)
+        opts = CheckpointOptions(leave_running=leave_running, tcp_established=tcp_established, compress=compress)
+        with c.out.progress(f"checkpointing {container}") as progress:
+            outcome = flows.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress)
+        if as_json:
+            c.out.json(outcome.to_dict())
+            return
+        where = outcome.output or outcome.ref
+        c.out.info(f"checkpointed {outcome.container.name} ({outcome.engine}) -> {where}, {human_size(outcome.size)}")
+        if outcome.pushed:
+            c.out.info(f"pushed {outcome.pushed}")
+        c.out.detail(f"steps: {outcome.timings_s}")
+
+    @app.command()
+    def restore(
+        ctx: typer.Context,
+        source: Annotated[str, typer.Argument(help="A reference (host/repo:tag, @sha256:...) or a checkpoint path.")],
+        name: Annotated[Optional[str], typer.Option("--name", "-n", help="Name of the restored container.")] = None,
+        engine: Annotated[str, ENGINE_OPT] = "auto",
+        tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Restore open TCP connections.")] = False,
+        ip: Annotated[Optional[str], typer.Option("--ip", help="runc-direct bridge network: restore at this address (default: the recorded one).")] = None,
+        insecure: Annotated[bool, typer.Option("--insecure", help="Allow a plain-HTTP registry.")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    ) -> None:
+        """Pull if needed, check this host can take it, and restore through the engine."""
+        from gpusnap.cli.main import get_ctx
+
+        c = get_ctx(ctx)
+        with c.out.progress(f"restoring {source}") as progress:
+            outcome = flows.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress, ip=ip)
+        if as_json:
+            c.out.json(outcome.to_dict())
+            return
+        c.out.info(f"restored {outcome.container.name} ({outcome.engine}, {outcome.container.status}) from {source}")

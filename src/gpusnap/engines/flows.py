@@ -1,0 +1,363 @@
+"""Checkpoint and restore as users see them: engine + metadata + local store + registry.
+
+Both are step lists (gpusnap.steps) so a failure anywhere rolls back: a checkpoint that fails
+after the engine stopped the container brings the container back from what was dumped, and a
+restore refuses on an incompatible host before it pulls, unpacks or starts anything.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import platform
+import shutil
+import socket
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpusnap import __version__
+from gpusnap.config import Settings
+from gpusnap.engines.base import (
+    FORM_PODMAN_ARCHIVE,
+    CheckpointOptions,
+    ContainerInfo,
+    Engine,
+    EngineCheckpoint,
+    RestoreOptions,
+    rfc3339_now,
+)
+from gpusnap.engines.registry import detect_form, engine_for_form, find_container, make_engine, read_json_member
+from gpusnap.errors import GpusnapError, MissingDependencyError, NotFoundError, UsageError
+from gpusnap.hostcheck import HostFacts, gather, require_compatible
+from gpusnap.metadata import METADATA_FILE, CheckpointMetadata, GpuInfo
+from gpusnap.steps import Step, run_steps
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+@dataclass
+class CheckpointOutcome:
+    container: ContainerInfo
+    engine: str
+    form: str
+    metadata: CheckpointMetadata
+    ref: str = ""  # local store reference, when stored
+    output: str = ""  # path, when written with --output
+    pushed: str = ""  # remote reference, when pushed
+    digest: str = ""
+    size: int = 0
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "container": self.container.name,
+            "container_id": self.container.id,
+            "engine": self.engine,
+            "form": self.form,
+            "ref": self.ref,
+            "output": self.output,
+            "pushed": self.pushed,
+            "digest": self.digest,
+            "size": self.size,
+            "timings_s": self.timings_s,
+        }
+
+
+@dataclass
+class RestoreOutcome:
+    container: ContainerInfo
+    engine: str
+    source: str
+    form: str
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"container": self.container.name, "container_id": self.container.id, "engine": self.engine,
+                "source": self.source, "form": self.form, "status": self.container.status, "timings_s": self.timings_s}
+
+
+def packaging_api() -> Any:
+    try:
+        from gpusnap.packaging import api
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("gpusnap"):
+            raise MissingDependencyError("checkpoint packaging is not part of this gpusnap build; use --output PATH and restore PATH") from None
+        raise MissingDependencyError(f"Python module {exc.name} is missing; reinstall gpusnap (pip install gpusnap) to get its dependencies") from None
+    return api
+
+
+def build_metadata(settings: Settings, info: ContainerInfo, engine: Engine, opts: CheckpointOptions, facts: HostFacts) -> CheckpointMetadata:
+    """Metadata for checkpoints whose runtime did not write gpusnap.json (plain runc, crun)."""
+    runtime = getattr(engine, "runtime_name", lambda: engine.name)()
+    return CheckpointMetadata(
+        container_id=info.id,
+        created=rfc3339_now(),
+        runtime=runtime,
+        runtime_version=__version__,
+        criu_version=facts.criu_version,
+        kernel=facts.kernel,
+        arch=facts.arch,
+        hostname=socket.gethostname(),
+        gpu_backend="none",
+        leave_running=opts.leave_running,
+        tcp_established=opts.tcp_established,
+    )
+
+
+def _attach_metadata(cp: EngineCheckpoint, meta: CheckpointMetadata) -> None:
+    if cp.image_dir is not None:
+        meta.write(cp.image_dir)
+        return
+    if cp.form == FORM_PODMAN_ARCHIVE:
+        # podman import ignores files it does not know, so the metadata rides inside the archive.
+        data = json.dumps(meta.to_dict(), indent=2, sort_keys=True).encode()
+        with tarfile.open(cp.path, "a") as tar:
+            member = tarfile.TarInfo(METADATA_FILE)
+            member.size = len(data)
+            member.mode = 0o644
+            tar.addfile(member, io.BytesIO(data))
+
+
+def read_metadata(path: Path, form: str) -> CheckpointMetadata | None:
+    if form == FORM_PODMAN_ARCHIVE:
+        data = read_json_member(path, METADATA_FILE)
+        return CheckpointMetadata.from_dict(data) if data else None
+    for cand in (path, *(p for p in path.iterdir() if p.is_dir())):
+        meta = CheckpointMetadata.read(cand)
+        if meta is not None:
+            return meta
+    return None
+
+
+def _engine_meta(cp: EngineCheckpoint) -> CheckpointMetadata | None:
+    return CheckpointMetadata.read(cp.image_dir) if cp.image_dir is not None else None
+
+
+def default_ref(container: ContainerInfo) -> str:
+    stamp = rfc3339_now().replace(":", "").replace("-", "").replace("Z", "")
+    return f"localhost/gpusnap/{container.name.lower()}:{stamp.replace('T', '-')}"
+
+
+def work_dir(settings: Settings) -> Path:
+    base = settings.state_dir / "tmp"
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="work-", dir=base))
+
+
+def checkpoint(
+    settings: Settings,
+    container: str,
+    *,
+    engine: str = "auto",
+    opts: CheckpointOptions | None = None,
+    push: str | None = None,
+    output: Path | None = None,
+    insecure: bool = False,
+    progress: Progress = _quiet,
+    ref: str | None = None,
+) -> CheckpointOutcome:
+    opts = opts or CheckpointOptions()
+    if push and output:
+        raise UsageError("--push and --output exclude each other; pick one")
+    if output is not None and output.exists():
+        raise UsageError(f"{output} already exists; pick a new --output path or remove it")
+    api = None if output is not None else packaging_api()
+    eng, info = find_container(container, engine, settings)
+    if not eng.is_running(info):
+        raise UsageError(f"{info.name} is not running ({info.status or 'stopped'}) in {eng.name}; start it before checkpointing")
+    facts = gather(settings, with_gpus=False)
+    require_compatible(None, facts, what=info.name)  # CRIU present and new enough
+    work = work_dir(settings)
+    state: dict[str, Any] = {}
+    dest = work / ("checkpoint.tar" if eng.form == FORM_PODMAN_ARCHIVE else "checkpoint")
+
+    def dump() -> None:
+        progress(f"checkpointing {info.name} through {eng.name}")
+        state["cp"] = eng.checkpoint(info, dest, opts)
+
+    def bring_back() -> None:
+        # The engine stopped the container; start it again from what it just dumped so a
+        # failed checkpoint leaves the container running, as it was.
+        if opts.leave_running:
+            return
+        if eng.get(info.id) is not None:
+            eng.remove(info)
+        eng.restore(state["cp"].path, RestoreOptions(name=info.name, tcp_established=opts.tcp_established))
+
+    def describe() -> None:
+        cp: EngineCheckpoint = state["cp"]
+        meta = _engine_meta(cp) or build_metadata(settings, info, eng, opts, facts)
+        meta.extra.setdefault("engine", eng.name)
+        meta.extra.setdefault("container_name", info.name)
+        meta.extra.setdefault("image", info.image)
+        meta.extra.setdefault("command", info.command)
+        engine_extra = getattr(eng, "checkpoint_extra", None)  # runc-direct: its network record
+        if engine_extra is not None:
+            for key, value in engine_extra(cp).items():
+                meta.extra.setdefault(key, value)
+        _attach_metadata(cp, meta)
+        state["meta"] = meta
+
+    def write_output() -> None:
+        assert output is not None
+        progress(f"writing {output}")
+        output.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(state["cp"].path), str(output))
+
+    def store() -> None:
+        local = ref or push or default_ref(info)
+        progress(f"storing {local}")
+        stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"], compress=opts.compress)
+        state["ref"] = local
+        state["stored"] = stored
+
+    def unstore() -> None:
+        remove_ref = getattr(api, "remove", None)
+        if remove_ref is not None and "ref" in state:
+            remove_ref(settings.store_dir, state["ref"])
+
+    def do_push() -> None:
+        progress(f"pushing {push}")
+        with _transfer(progress, f"push {push}") as bar:
+            state["pushed"] = api.push(settings.store_dir, state["ref"], push, insecure=insecure, progress=bar)
+
+    steps = [Step("checkpoint", dump, bring_back), Step("write metadata", describe)]
+    if output is not None:
+        steps.append(Step("write the checkpoint", write_output))
+    else:
+        steps.append(Step("store the checkpoint", store, unstore))
+        if push:
+            steps.append(Step("push the checkpoint", do_push))
+    try:
+        records = run_steps(steps)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    stored = state.get("stored")
+    outcome = CheckpointOutcome(
+        container=info,
+        engine=eng.name,
+        form=eng.form,
+        metadata=state["meta"],
+        ref=state.get("ref", ""),
+        output=str(output) if output is not None else "",
+        pushed=push or "",
+        digest=str(getattr(stored, "digest", "") or ""),
+        size=int(getattr(stored, "size", 0) or 0) if stored is not None else _path_size(output),
+        timings_s={r.name: round(r.seconds, 3) for r in records},
+    )
+    return outcome
+
+
+def _path_size(path: Path | None) -> int:
+    if path is None or not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def restore(
+    settings: Settings,
+    source: str,
+    *,
+    name: str | None = None,
+    engine: str = "auto",
+    tcp_established: bool = False,
+    insecure: bool = False,
+    progress: Progress = _quiet,
+    ip: str | None = None,
+) -> RestoreOutcome:
+    path = Path(source)
+    facts = gather(settings)
+    work = work_dir(settings)
+    try:
+        if path.exists():
+            form = detect_form(path)
+            meta = read_metadata(path, form)
+            require_compatible(meta, facts, what=source)
+            local = path
+        else:
+            if source.startswith(("/", "./", "../", "~")) or ("/" not in source and ":" not in source and "@" not in source):
+                raise NotFoundError(f"{source} is neither a file nor a reference like host/repo:tag; check the path or reference")
+            api = packaging_api()
+            ref = _local_or_pull(api, settings, source, insecure, progress)
+            info = api.inspect(settings.store_dir, ref)
+            form = _artifact_form(info)
+            meta = _artifact_metadata(info)
+            require_compatible(meta, facts, what=source)
+            progress(f"unpacking {source}")
+            local = Path(api.materialize_checkpoint(settings.store_dir, ref, work / "checkpoint", form=form))
+        eng = engine_for_form(form, settings) if engine == "auto" else make_engine(engine, settings)
+        if eng.form != form:
+            raise UsageError(f"{source} is a {form} checkpoint, which the {eng.name} engine cannot restore; use --engine auto")
+        eng.require()
+        if name and eng.get(name) is not None:
+            raise UsageError(f"{eng.name} already has a container named {name}; pick another --name")
+        progress(f"restoring through {eng.name}")
+        records = run_steps([Step("restore", lambda: eng.restore(local, RestoreOptions(name=name, tcp_established=tcp_established, ip=ip)))])
+        container = records[0].result
+        return RestoreOutcome(container=container, engine=eng.name, source=source, form=form,
+                              timings_s={r.name: round(r.seconds, 3) for r in records})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progress: Progress) -> str:
+    """The reference in the local store, pulling it (only missing blobs) when it is not there."""
+    try:
+        api.inspect(settings.store_dir, ref)
+        return ref
+    except NotFoundError:
+        pass
+    progress(f"pulling {ref}")
+    with _transfer(progress, f"pull {ref}") as bar:
+        pulled = api.pull(settings.store_dir, ref, insecure=insecure, progress=bar)
+    return str(pulled or ref)
+
+
+@contextmanager
+def _transfer(progress: Progress, description: str) -> Iterator[Any]:
+    """A byte progress bar from the caller's reporter when it offers one (the CLI on a TTY)."""
+    factory = getattr(progress, "transfer", None)
+    bar = factory(description) if factory is not None else None
+    try:
+        yield bar
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _artifact_form(info: Any) -> str:
+    form = getattr(info, "form", None)
+    if not form:
+        raise GpusnapError("the checkpoint's artifact does not say which engine wrote it; it cannot be restored")
+    return str(form)
+
+
+def _artifact_metadata(info: Any) -> CheckpointMetadata:
+    """What the host check needs, from the artifact's config (packaging's ArtifactInfo)."""
+    gpus = []
+    for g in getattr(info, "gpus", None) or []:
+        gpus.append(GpuInfo(index=int(g.get("index", len(gpus))), uuid=str(g.get("uuid", "")), name=str(g.get("name", "")),
+                            memory_total_bytes=int(g.get("memory_total_bytes", 0) or 0), driver_version=str(g.get("driver_version", ""))))
+    return CheckpointMetadata(
+        container_id=str((getattr(info, "container", None) or {}).get("id", "")),
+        created=str(getattr(info, "created", "")),
+        criu_version=str(getattr(info, "criu_version", "")),
+        kernel=str(getattr(info, "kernel", "")),
+        arch=str(getattr(info, "arch", "")),
+        gpus=gpus,
+    )
+
+
+def host_arch() -> str:
+    return platform.machine()

@@ -1,0 +1,81 @@
+"""The CLI's contract with its caller: exit codes, one-line errors, help text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpusnap.cli.main import main
+from gpusnap.errors import ExitCode
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out, err
+
+
+@pytest.fixture(autouse=True)
+def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUSNAP_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("GPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("GPUSNAP_CONFIG", str(tmp_path / "none.toml"))
+
+
+def test_help_lists_every_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    for c in ExitCode:
+        assert f"{c.value} {c.name.lower().replace('_', ' ')}" in flat
+    for cmd in ("checkpoint", "restore", "run", "ps", "doctor", "demo"):
+        assert cmd in out
+
+
+def test_not_found_is_one_line_with_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "logs", "gs-cli-nosuch")
+    assert code == ExitCode.NOT_FOUND
+    assert err.strip() == "gpusnap: error: no runc-direct container gs-cli-nosuch; `gpusnap ps` lists them"
+    assert out == ""
+
+
+def test_traceback_only_with_verbose(capsys: pytest.CaptureFixture[str]) -> None:
+    _, _, err = run(capsys, "logs", "gs-cli-nosuch")
+    assert "Traceback" not in err
+    _, _, err = run(capsys, "-v", "logs", "gs-cli-nosuch")
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("gpusnap: error: ")
+
+
+def test_bad_option_is_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "checkpoint", "x", "--no-such-option")
+    assert code == ExitCode.USAGE
+    assert "no-such-option" in err
+
+
+def test_push_and_output_exclude_each_other(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "checkpoint", "x", "--push", "localhost/a:b", "--output", str(tmp_path / "o"))
+    assert code == ExitCode.USAGE
+    assert "exclude each other" in err
+
+
+def test_bad_config_file_is_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("nonsense = 1\n")
+    monkeypatch.setenv("GPUSNAP_CONFIG", str(cfg))
+    code, _, err = run(capsys, "ps")
+    assert code == ExitCode.USAGE
+    assert "unknown setting(s) nonsense" in err and len(err.strip().splitlines()) == 1
+
+
+def test_ps_json_empty(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "ps", "--json")
+    assert code == 0 and out.strip() == "[]"
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpusnap import __version__
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"gpusnap {__version__}"

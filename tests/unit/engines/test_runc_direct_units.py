@@ -1,0 +1,94 @@
+"""Pieces of the runc-direct engine that need no container (the engine itself is tested for
+real in tests/integration/cli)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpusnap.config import load_settings
+from gpusnap.engines.base import FORM_CRIU_DIR, FORM_DOCKER_DIR, FORM_PODMAN_ARCHIVE
+from gpusnap.engines.registry import detect_form, find_container, make_engine
+from gpusnap.engines.runc_direct import BUNDLE_RECORD, RuncDirectEngine, make_spec, validate_name
+from gpusnap.errors import MissingDependencyError, NotFoundError, UsageError
+
+
+def test_validate_name() -> None:
+    assert validate_name("gs-cli_a.1") == "gs-cli_a.1"
+    for bad in ("", "-x", "a/b", "..", "x" * 129, "a b"):
+        with pytest.raises(UsageError):
+            validate_name(bad)
+
+
+def test_spec_has_no_terminal_and_joins_given_netns() -> None:
+    spec = make_spec("n", ["sh"], Path("/r"), ["A=1"], "/var/run/netns/x")
+    assert spec["process"]["terminal"] is False
+    assert spec["process"]["env"][-1] == "A=1"
+    assert {"type": "network", "path": "/var/run/netns/x"} in spec["linux"]["namespaces"]
+    assert {"type": "network"} in make_spec("n", ["sh"], Path("/r"), [], None)["linux"]["namespaces"]
+    json.dumps(spec)
+
+
+def test_detect_form(tmp_path: Path) -> None:
+    (tmp_path / "rd").mkdir()
+    (tmp_path / "rd" / BUNDLE_RECORD).write_text("{}")
+    assert detect_form(tmp_path / "rd") == FORM_CRIU_DIR
+    (tmp_path / "dk").mkdir()
+    (tmp_path / "dk" / "docker-container.json").write_text("{}")
+    assert detect_form(tmp_path / "dk") == FORM_DOCKER_DIR
+    import tarfile
+
+    with tarfile.open(tmp_path / "p.tar", "w") as tar:
+        for n in ("config.dump", "spec.dump"):
+            (tmp_path / n).write_text("{}")
+            tar.add(tmp_path / n, arcname=n)
+    assert detect_form(tmp_path / "p.tar") == FORM_PODMAN_ARCHIVE
+    (tmp_path / "other").mkdir()
+    with pytest.raises(UsageError):
+        detect_form(tmp_path / "other")
+    with pytest.raises(NotFoundError):
+        detect_form(tmp_path / "missing")
+
+
+def test_unknown_engine_and_network(tmp_path: Path) -> None:
+    settings = load_settings(env={}, run_dir=str(tmp_path))
+    with pytest.raises(UsageError, match="unknown engine"):
+        make_engine("lxc", settings)
+    eng = RuncDirectEngine(settings)
+    with pytest.raises(UsageError, match="unknown network"):
+        eng.run("gs-cli-n", ["sh"], network="host")
+    with pytest.raises(UsageError, match="--publish and --ip need --network bridge"):
+        eng.run("gs-cli-n", ["sh"], publish=["8080:80"])
+    with pytest.raises(NotFoundError, match="not a directory"):
+        eng.run("gs-cli-n", ["sh"], rootfs=str(tmp_path / "nope"))
+    assert eng.list() == []
+
+
+def test_docker_engine_with_dead_socket_names_the_fix(tmp_path: Path) -> None:
+    from gpusnap.engines.docker import DockerEngine
+
+    eng = DockerEngine(base_url=f"unix://{tmp_path}/dead.sock")
+    assert eng.available() is False
+    with pytest.raises(MissingDependencyError, match="not answering.*start dockerd or fix DOCKER_HOST"):
+        eng.get("x")
+
+
+def test_find_container_auto_reports_unreachable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/dead.sock")
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent) + ":/usr/sbin:/usr/bin:/sbin:/bin")
+    settings = load_settings(env={}, run_dir=str(tmp_path))
+    with pytest.raises(NotFoundError, match=r"not reachable: docker"):
+        find_container("gs-cli-nosuch", "auto", settings)
+
+
+def test_logcopy_copies_until_eof(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    proc = subprocess.run([sys.executable, "-m", "gpusnap.engines.logcopy", str(log)], input=b"a\nb\n" * 50000, timeout=30)
+    assert proc.returncode == 0
+    assert log.read_bytes() == b"a\nb\n" * 50000
+    assert oct(os.stat(log).st_mode & 0o777) == "0o640"
