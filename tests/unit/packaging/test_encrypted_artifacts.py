@@ -63,9 +63,11 @@ def test_wrong_or_missing_key_writes_nothing(tmp_path: Path, key: crypto.Encrypt
 
 
 def test_dedup_between_checkpoints_with_the_same_key(tmp_path: Path, key: crypto.EncryptionConfig) -> None:
-    pages = os.urandom(6 << 20)
+    pages = os.urandom(2 << 20)
     a = _criu_dir(tmp_path / "a", pages, b"1")
-    b = _criu_dir(tmp_path / "b", pages[: 5 << 20] + os.urandom(1 << 20), b"2")
+    b = _criu_dir(tmp_path / "b", pages, b"2")  # same memory, other small CRIU files
+    (a / "pages-2.img").write_bytes(os.urandom(1 << 20))
+    (b / "pages-2.img").write_bytes(os.urandom(1 << 20))
     store_dir = tmp_path / "store"
     api.store_checkpoint(store_dir, a, form="criu-dir", ref="gs-rel-enc:a", encryption=key)
     api.store_checkpoint(store_dir, b, form="criu-dir", ref="gs-rel-enc:b", encryption=key)
@@ -73,6 +75,7 @@ def test_dedup_between_checkpoints_with_the_same_key(tmp_path: Path, key: crypto
     la = {d["digest"] for d in store.manifest(store.resolve("gs-rel-enc:a").digest)["layers"]}
     lb = {d["digest"] for d in store.manifest(store.resolve("gs-rel-enc:b").digest)["layers"]}
     assert la & lb, "unchanged memory chunks must encrypt to the same blobs"
+    assert la != lb
     other = crypto.EncryptionConfig(master=crypto.MasterKey(os.urandom(32)))
     api.store_checkpoint(store_dir, a, form="criu-dir", ref="gs-rel-enc:other", encryption=other)
     lo = {d["digest"] for d in store.manifest(store.resolve("gs-rel-enc:other").digest)["layers"]}

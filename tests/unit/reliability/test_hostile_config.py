@@ -72,8 +72,8 @@ _FIELD_CASES: list[tuple[str, tuple[str | int, ...], st.SearchStrategy[Any]]] = 
     # CRIU options come from an annotation and land in a CRIU config file read as root: no
     # newlines (a second option smuggled in), no options that make CRIU run programs.
     ("criu-option-injection", ("annotations", "gpusnap.io/criu-options"), st.sampled_from([
-        "tcp-established\naction-script /tmp/gs-rel-pwn", "x\nlib /tmp", "action-script=/tmp/gs-rel-pwn",
-        "action-script /tmp/x", "lib=/tmp/gs-rel", "exec-cmd", "log-file=/etc/passwd", "tcp-established\r\nlib /tmp"])),
+        "tcp-established\naction-script /tmp/gs-rel-pwn", "x\nlibdir /tmp", "action-script=/tmp/gs-rel-pwn", "a  b", "tcp-established\tx",
+        "action-script /tmp/x", "exec-cmd", "log-file=/etc/passwd", "tcp-established\r\nlib /tmp"])),
 ]
 
 
