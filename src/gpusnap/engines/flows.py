@@ -164,8 +164,12 @@ def checkpoint(
     insecure: bool = False,
     progress: Progress = _quiet,
     ref: str | None = None,
+    encryption: Any = None,
 ) -> CheckpointOutcome:
+    """``encryption``: a gpusnap.packaging.crypto.EncryptionConfig; every stored layer is sealed."""
     opts = opts or CheckpointOptions()
+    if encryption is not None and output is not None:
+        raise UsageError("--encrypt-key/--recipient apply to the store and registry, not to --output; drop one")
     if push and output:
         raise UsageError("--push and --output exclude each other; pick one")
     if output is not None and output.exists():
@@ -216,7 +220,8 @@ def checkpoint(
     def store() -> None:
         local = ref or push or default_ref(info)
         progress(f"storing {local}")
-        stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"], compress=opts.compress)
+        sealed = {"encryption": encryption} if encryption is not None else {}
+        stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"], compress=opts.compress, **sealed)
         state["ref"] = local
         state["stored"] = stored
 
@@ -275,7 +280,10 @@ def restore(
     insecure: bool = False,
     progress: Progress = _quiet,
     ip: str | None = None,
+    decryption: Any = None,
 ) -> RestoreOutcome:
+    """``decryption``: gpusnap.packaging.crypto.DecryptionKeys for an encrypted checkpoint."""
+    keys = {"decryption": decryption} if decryption is not None else {}
     path = Path(source)
     facts = gather(settings)
     work = work_dir(settings)
@@ -289,13 +297,13 @@ def restore(
             if source.startswith(("/", "./", "../", "~")) or ("/" not in source and ":" not in source and "@" not in source):
                 raise NotFoundError(f"{source} is neither a file nor a reference like host/repo:tag; check the path or reference")
             api = packaging_api()
-            ref = _local_or_pull(api, settings, source, insecure, progress)
+            ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
             info = api.inspect(settings.store_dir, ref)
             form = _artifact_form(info)
             meta = _artifact_metadata(info)
             require_compatible(meta, facts, what=source)
             progress(f"unpacking {source}")
-            local = Path(api.materialize_checkpoint(settings.store_dir, ref, work / "checkpoint", form=form))
+            local = Path(api.materialize_checkpoint(settings.store_dir, ref, work / "checkpoint", form=form, **keys))
         eng = engine_for_form(form, settings) if engine == "auto" else make_engine(engine, settings)
         if eng.form != form:
             raise UsageError(f"{source} is a {form} checkpoint, which the {eng.name} engine cannot restore; use --engine auto")
@@ -311,7 +319,7 @@ def restore(
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progress: Progress) -> str:
+def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progress: Progress, **keys: Any) -> str:
     """The reference in the local store, pulling it (only missing blobs) when it is not there."""
     try:
         api.inspect(settings.store_dir, ref)
@@ -320,7 +328,7 @@ def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progr
         pass
     progress(f"pulling {ref}")
     with _transfer(progress, f"pull {ref}") as bar:
-        pulled = api.pull(settings.store_dir, ref, insecure=insecure, progress=bar)
+        pulled = api.pull(settings.store_dir, ref, insecure=insecure, progress=bar, **keys)
     return str(pulled or ref)
 
 

@@ -132,7 +132,7 @@ class BlobWriter:
             if final.exists():
                 self._path.unlink()
             else:
-                os.chmod(self._path, 0o644)
+                os.chmod(self._path, 0o600)
                 os.replace(self._path, final)
             self._done = True
             return digest
@@ -167,8 +167,15 @@ class OciStore:
         self.root = Path(root)
         self.blobs_dir = self.root / "blobs" / "sha256"
         self.ingest_dir = self.root / "ingest"
-        for d in (self.blobs_dir, self.ingest_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        # Checkpoints hold whole process memories: only the owner may read the store (0700 dirs,
+        # 0600 files). mkdir's mode is masked by the umask, hence the explicit chmod.
+        fresh = not self.root.exists()
+        for d in (self.root, self.root / "blobs", self.blobs_dir, self.ingest_dir):
+            if not d.exists():
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+                os.chmod(d, 0o700)
+        if fresh:
+            os.chmod(self.root, 0o700)
         layout = self.root / "oci-layout"
         if not layout.exists():
             self._atomic_write(layout, json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
@@ -213,7 +220,7 @@ class OciStore:
     # ---- locks --------------------------------------------------------------------------------
     @contextmanager
     def _flock(self, name: str, mode: int) -> Iterator[None]:
-        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, mode)
             yield
@@ -235,7 +242,7 @@ class OciStore:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
+            os.chmod(tmp, 0o600)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
