@@ -13,6 +13,7 @@ takes it exclusively, so garbage collection never deletes blobs of a checkpoint 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from gpusnap.errors import IntegrityError, NotFoundError, UsageError
+from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, UsageError
 
 MEDIA_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 MEDIA_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -88,6 +89,13 @@ def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def _storage_error(exc: OSError, root: Path) -> GpusnapError:
+    """A full or failing disk under the store as one line (the partial blob is discarded)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return GpusnapError(f"no space left in the store {root} ({exc.strerror}); free space or run `gpusnap gc`, then try again")
+    return GpusnapError(f"cannot write to the store {root}: {exc.strerror or exc}; check the disk and permissions")
+
+
 class BlobWriter:
     """A file in ``ingest/`` hashed as it is written; :meth:`commit` makes it a visible blob."""
 
@@ -102,7 +110,10 @@ class BlobWriter:
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         self._hash.update(data)
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            raise _storage_error(exc, self._store.root) from None
         self.size += len(data)
         return len(data)
 
@@ -125,9 +136,12 @@ class BlobWriter:
                 raise IntegrityError(
                     f"blob {digest} size mismatch: expected {expected_size} bytes, got {self.size}; the data was discarded"
                 )
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+            except OSError as exc:
+                raise _storage_error(exc, self._store.root) from None
             final = self._store.blob_path(digest)
             if final.exists():
                 self._path.unlink()
@@ -142,7 +156,10 @@ class BlobWriter:
 
     def abort(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass  # closing flushes the buffer; on a full disk that fails too, and the data goes anyway
         self._path.unlink(missing_ok=True)
         self._done = True
 
@@ -244,6 +261,9 @@ class OciStore:
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o600)
             os.replace(tmp, path)
+        except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise _storage_error(exc, self.root) from None
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
