@@ -589,7 +589,18 @@ def push_artifact(
 
     try:
         _parallel(one, list(blobs.values()), client.workers)
-        r = client.put_manifest(repo, target.tag or "latest", manifest_bytes, manifest.get("mediaType", MEDIA_OCI_MANIFEST))
+        for attempt in range(3):
+            try:
+                r = client.put_manifest(repo, target.tag or "latest", manifest_bytes, manifest.get("mediaType", MEDIA_OCI_MANIFEST))
+                break
+            except RegistryError as exc:
+                # Seen under load (100 pushes sharing a blob, distribution 2.8): a blob that HEAD
+                # reported, or whose PUT was acknowledged, is "unknown" to the manifest check.
+                # Check every blob again, upload what is missing, and put the manifest again.
+                if "BLOB_UNKNOWN" not in str(exc) or attempt == 2:
+                    raise
+                time.sleep(client.backoff_s * (attempt + 1))
+                _parallel(one, list(blobs.values()), client.workers)
         got = r.headers.get("Docker-Content-Digest")
         if got and got != desc.digest:
             raise IntegrityError(f"{target.registry} stored the manifest as {got}, expected {desc.digest}")
