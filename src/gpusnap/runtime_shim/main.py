@@ -17,18 +17,30 @@ from gpusnap.runtime_shim.fastconfig import fast_settings
 PROG = "gpusnap-runtime"
 
 
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-.")
+
+
+def valid_container_id(cid: str | None) -> bool:
+    """runc's own rule for ids (``^[\\w+-\\.]+$``), checked before the id names any file of ours.
+
+    Ids runc would reject go to runc untouched, so it refuses them in its words; the check is
+    by hand because ``re`` alone would add milliseconds to every call.
+    """
+    return bool(cid) and cid not in (".", "..") and all(c in _ID_CHARS for c in cid)  # type: ignore[union-attr]
+
+
 def _intercepts(inv: Invocation) -> bool:
     if inv.command not in INTERCEPTED or not inv.known or inv.global_opts.get("help"):
         return False
     if inv.command == "features":
         return True
-    return inv.container_id is not None and not inv.flag("help")
+    return valid_container_id(inv.container_id) and not inv.flag("help")
 
 
 def _forget_criu_config(inv: Invocation, run_dir: str) -> None:
     """On ``delete``, drop the container's CRIU config file (a restore writes it again)."""
     ids = [a for a in inv.positionals if not a.startswith("-")]
-    if len(ids) == 1 and "/" not in ids[0] and ids[0] not in (".", ".."):
+    if len(ids) == 1 and valid_container_id(ids[0]):
         try:
             os.unlink(os.path.join(run_dir, "criu", ids[0] + ".conf"))
         except OSError:

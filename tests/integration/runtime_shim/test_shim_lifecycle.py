@@ -88,3 +88,11 @@ def test_runc_errors_pass_through_unchanged(shim: Shim, tmp_path: Path, args: li
         out[label] = (proc.returncode, proc.stdout, _strip_times(proc.stderr))
     assert out["shim"] == out["runc"]
     assert out["shim"][0] != 0
+
+
+def test_features_and_version(shim: Shim) -> None:
+    env = shim.env()
+    assert run([str(shim.wrapper), "features"], env=env).stdout == run([RUNC, "features"]).stdout
+    shim_version = run([str(shim.wrapper), "--version"], env=env).stdout.splitlines()
+    assert shim_version[0].startswith("gpusnap-runtime version ")
+    assert shim_version[1:] == run([RUNC, "--version"]).stdout.splitlines()

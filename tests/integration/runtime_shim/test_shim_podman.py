@@ -33,6 +33,8 @@ def test_checkpoint_export_rm_restore_import_twice(shim: Shim, data_dir: Path, t
         podman(shim, "container", "checkpoint", "--export", str(archive), name)
         at_checkpoint = counter_values(data_dir)[-1]
         assert podman(shim, "inspect", "--format", "{{.State.Status}}", name).stdout.strip() == "exited"
+        # gpusnap.json travels inside the exported archive, beside CRIU's images.
+        assert "checkpoint/gpusnap.json" in run(["tar", "--zstd", "-tf", str(archive)]).stdout.split()
         podman(shim, "rm", name)
         podman(shim, "container", "restore", "--import", str(archive))
         assert podman(shim, "inspect", "--format", "{{.State.Status}}", name).stdout.strip() == "running"

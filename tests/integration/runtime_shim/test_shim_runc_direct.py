@@ -79,3 +79,29 @@ def test_shim_as_runc_on_path_finds_the_real_runc(shim: Shim, tmp_path: Path) ->
     proc = run([str(bin_dir / "runc"), "--version"], env=env)
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("gpusnap-runtime version ") and lines[1].startswith("runc version ")
+
+
+def test_preserved_fds_and_signals_reach_the_container(shim: Shim, data_dir: Path, tmp_path: Path) -> None:
+    """--preserve-fds hands fd 3 through create's exec; SIGTERM to the shim's pid reaches the container."""
+    script = "echo via-fd3 >&3; trap 'exit 7' TERM; echo ready; while true; do sleep 0.1; done"
+    results = {}
+    for label, binary in (("runc", RUNC), ("shim", str(shim.wrapper))):
+        bundle = make_bundle(tmp_path / label, ["sh", "-c", script], data_dir)
+        extra_r, extra_w = os.pipe()
+        # The preserved fd must be fd 3 in the runtime: bash puts the pipe there (dash takes single-digit fds only).
+        proc = subprocess.Popen(
+            ["bash", "-c", f'exec "$0" "$@" 3>&{extra_w}', binary, "--root", str(bundle.root), "run", "--preserve-fds", "1", "--bundle", str(bundle.path), unique("fds")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(extra_w,), env=shim.env(),
+        )
+        os.close(extra_w)
+        try:
+            with os.fdopen(extra_r) as extra:
+                via_fd = extra.readline()  # runc keeps its own copy open: no EOF to wait for
+            assert proc.stdout is not None
+            ready = proc.stdout.readline()
+            proc.send_signal(signal.SIGTERM)
+            results[label] = (via_fd, ready, proc.wait(timeout=30))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert results["shim"] == results["runc"] == ("via-fd3\n", b"ready\n", 7)

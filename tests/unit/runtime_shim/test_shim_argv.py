@@ -71,3 +71,35 @@ def test_with_global_flag_adds_only_when_absent() -> None:
     assert with_global_flag(inv.argv, inv, "criu", "/c") == ["--criu", "/c", "--root", "/r", "checkpoint", "c"]
     inv = parse(["--criu=/mine", "checkpoint", "c"])
     assert with_global_flag(inv.argv, inv, "criu", "/c") == ["--criu=/mine", "checkpoint", "c"]
+
+
+@pytest.mark.parametrize(("cid", "ok"), [("abc-1_2.3+x", True), ("../etc", False), ("..", False), ("", False), ("a/b", False), ("a b", False)])
+def test_container_ids_follow_runcs_rule(cid: str, ok: bool) -> None:
+    from gpusnap.runtime_shim.main import valid_container_id
+
+    assert valid_container_id(cid) is ok
+
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+_VALUES = st.text(alphabet="abcxyz/._0123456789", min_size=1, max_size=12)
+
+
+@given(
+    root=_VALUES,
+    image=_VALUES,
+    leave=st.booleans(),
+    dashes=st.sampled_from(["-", "--"]),
+    joined=st.booleans(),
+    id_first=st.booleans(),
+)
+def test_any_spelling_and_order_gives_the_same_reading(root: str, image: str, leave: bool, dashes: str, joined: bool, id_first: bool) -> None:
+    def flag(name: str, value: str) -> list[str]:
+        return [f"{dashes}{name}={value}"] if joined else [f"{dashes}{name}", value]
+
+    opts = [*flag("image-path", image), *([f"{dashes}leave-running"] if leave else [])]
+    tail = ["cid", *opts] if id_first else [*opts, "cid"]
+    inv = parse([*flag("root", root), "checkpoint", *tail])
+    assert inv.global_opts == {"root": root} and inv.command == "checkpoint" and inv.known
+    assert inv.container_id == "cid" and inv.value("image-path") == image and inv.flag("leave-running") is leave

@@ -75,3 +75,21 @@ def test_passthrough_imports_only_the_standard_library(tmp_path: Path) -> None:
     assert "gpusnap.runtime_shim.main" in out
     for heavy in ("jsonschema", "typer", "rich", "docker", "dataclasses", "gpusnap.config", "gpusnap.errors", "subprocess", "shutil"):
         assert heavy not in out
+
+
+def test_features_fallback_when_runc_lacks_it(tmp_path: Path) -> None:
+    """An old runc answers `features` with urfave/cli's unknown-command text: the shim answers instead."""
+    import json
+    import subprocess
+    import sys
+
+    _exe(tmp_path / "runc", "#!/bin/sh\necho \"No help topic for 'features'\" >&2\nexit 3\n")
+    env = {**os.environ, "PATH": str(tmp_path), "GPUSNAP_CONFIG": str(tmp_path / "none.toml"), "GPUSNAP_RUN_DIR": str(tmp_path / "run")}
+    proc = subprocess.run([sys.executable, "-m", "gpusnap.runtime_shim.main", "features"], capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ociVersionMin"] == "1.0.0" and "prestart" in doc["hooks"] and doc["annotations"]["io.gpusnap.runtime.features"] == "fallback"
+    # Any other failure of runc's stays runc's.
+    _exe(tmp_path / "runc", "#!/bin/sh\necho 'permission denied' >&2\nexit 9\n")
+    proc = subprocess.run([sys.executable, "-m", "gpusnap.runtime_shim.main", "features"], capture_output=True, text=True, env=env, check=False)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (9, "", "permission denied\n")
