@@ -56,6 +56,8 @@ def test_torch_container_sees_gpu_with_only_nvidia_visible_devices(tmp_path: Pat
         "GPUSNAP_STATE_DIR": str(tmp_path / "state"),
         "GPUSNAP_CONFIG": "/nonexistent/gpusnap.toml",
     }
+    if os.environ.get("PYTHONPATH"):  # gpusnap installed with pip --target (run_gpu_suite.sh's fallback)
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     cid = f"gs-dev-gpu-{uuid.uuid4().hex[:8]}"
     with overlay_rootfs(tmp_path / "root", LOWER) as rootfs:
         bundle = make_bundle(tmp_path, rootfs, [PYTHON, "-c", TORCH_PROBE], ["NVIDIA_VISIBLE_DEVICES=all"],

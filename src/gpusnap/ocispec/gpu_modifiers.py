@@ -132,6 +132,9 @@ def hook_environment(settings: Settings, env: Mapping[str, str]) -> list[str]:
         out.append(f"GPUSNAP_ROOT={settings.host.root}")
     if env.get("GPUSNAP_CONFIG"):
         out.append(f"GPUSNAP_CONFIG={env['GPUSNAP_CONFIG']}")
+    if env.get("PYTHONPATH"):
+        # gpusnap installed with pip --target: the hook must import the same gpusnap as the shim.
+        out.append(f"PYTHONPATH={env['PYTHONPATH']}")
     return out
 
 
@@ -162,10 +165,11 @@ def plan_injection(
 ) -> InjectionPlan | None:
     """What to inject into ``spec``; None when it asks for no GPUs or already has them."""
     env = os.environ if env is None else env
+    # Devices that CDI or the NVIDIA toolkit put there win, whatever the request says.
+    if already_injected(spec, cdi_device_paths(settings.host)) is not None:
+        return None
     selection = select(spec, inventory)
     if selection is None:
-        return None
-    if already_injected(spec, cdi_device_paths(settings.host)) is not None:
         return None
     plan = InjectionPlan(selection=selection)
     if selection.vendor == "nvidia":

@@ -105,8 +105,9 @@ def test_hook_path_beside_shim_or_missing(tmp_path: Path, hook: Path) -> None:
 
 def test_hook_environment_carries_settings(tmp_path: Path) -> None:
     s = Settings(host=HostPaths(tmp_path), run_dir=Path("/r"), state_dir=Path("/s"))
-    env = gm.hook_environment(s, {"GPUSNAP_CONFIG": "/c.toml"})
-    assert {"GPUSNAP_RUN_DIR=/r", "GPUSNAP_STATE_DIR=/s", f"GPUSNAP_ROOT={tmp_path}", "GPUSNAP_CONFIG=/c.toml"} <= set(env)
+    env = gm.hook_environment(s, {"GPUSNAP_CONFIG": "/c.toml", "PYTHONPATH": "/site", "OTHER": "x"})
+    assert {"GPUSNAP_RUN_DIR=/r", "GPUSNAP_STATE_DIR=/s", f"GPUSNAP_ROOT={tmp_path}", "GPUSNAP_CONFIG=/c.toml", "PYTHONPATH=/site"} <= set(env)
+    assert not any(e.startswith("OTHER=") for e in env)
 
 
 def test_amd_criu_config_libdir_and_kfd_env(tmp_path: Path) -> None:
@@ -161,6 +162,8 @@ def test_no_request_or_cdi_injected_spec_is_untouched(settings: Settings) -> Non
     assert gm.GpuInjection(settings, env=ENV, discover_fn=lambda s: pytest.fail("no discovery for CPU containers")).modify(copy.deepcopy(plain)) == plain
     cdi = base_spec(["NVIDIA_VISIBLE_DEVICES=all"])
     cdi["linux"]["devices"] = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
+    assert gm.GpuInjection(settings, env=ENV).modify(copy.deepcopy(cdi)) == cdi
+    cdi["process"]["env"] = ["NVIDIA_VISIBLE_DEVICES=9"]  # the toolkit's value, meaningless to us: left alone
     assert gm.GpuInjection(settings, env=ENV).modify(copy.deepcopy(cdi)) == cdi
 
 
