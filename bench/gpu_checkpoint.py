@@ -57,6 +57,7 @@ def gpusnap_cycle(stack: Stack, gb: float, images: Path) -> dict:
         c.wait_step(at + 20, timeout=300)  # it goes on
         t = meta["timings_s"]
         return {
+            "gpu_gib": sum(p["gpu_memory_bytes"] for p in meta["processes"]) / (1 << 30),
             "checkpoint_s": ck.seconds, "restore_s": rs.seconds,
             "lock_s": t["gpu_lock"], "gpu_to_host_s": t["gpu_checkpoint"], "criu_dump_s": t["criu_dump"],
             "criu_restore_s": rt["runc_restore"], "host_to_gpu_s": rt["gpu_restore"], "unlock_s": rt["gpu_unlock"],
@@ -73,8 +74,9 @@ def by_hand_cycle(stack: Stack, gb: float, images: Path, timeout_ms: int = 10_00
     try:
         c.start(ready_timeout=600)
         c.wait_step(50, timeout=300)
-        t0 = time.perf_counter()
         (pid,) = c.worker_pids()
+        held_gib = gpu_memory(pid) / (1 << 30)
+        t0 = time.perf_counter()
         la = cu.CUcheckpointLockArgs()
         la.timeoutMs = timeout_ms
         ok(cu.cuCheckpointProcessLock(pid, la), "lock")
@@ -97,6 +99,7 @@ def by_hand_cycle(stack: Stack, gb: float, images: Path, timeout_ms: int = 10_00
         t7 = time.perf_counter()
         c.wait_step(at + 20, timeout=300)
         return {
+            "gpu_gib": held_gib,
             "checkpoint_s": t3 - t0, "restore_s": t7 - t4,
             "lock_s": t1 - t0, "gpu_to_host_s": t2 - t1, "criu_dump_s": t3 - t2,
             "criu_restore_s": t5 - t4, "host_to_gpu_s": t6 - t5, "unlock_s": t7 - t6,
@@ -105,6 +108,18 @@ def by_hand_cycle(stack: Stack, gb: float, images: Path, timeout_ms: int = 10_00
     finally:
         c.cleanup()
         shutil.rmtree(images, ignore_errors=True)
+
+
+def gpu_memory(pid: int) -> int:
+    from pynvml import nvmlDeviceGetComputeRunningProcesses, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlInit
+
+    nvmlInit()
+    total = 0
+    for i in range(nvmlDeviceGetCount()):
+        for p in nvmlDeviceGetComputeRunningProcesses(nvmlDeviceGetHandleByIndex(i)):
+            if p.pid == pid:
+                total += p.usedGpuMemory or 0
+    return total
 
 
 def gpu_line() -> str:
@@ -140,17 +155,17 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=2))
     print(f"\nGPU: {gpu}\n")
-    print("| GiB | who | checkpoint s | (lock / GPU→host / CRIU dump) | restore s | (CRIU restore / host→GPU / unlock) | image GiB | gpusnap ÷ by hand |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| tensor GiB | who | GPU GiB held | checkpoint s | (lock / GPU→host / CRIU dump) | restore s | (CRIU restore / host→GPU / unlock) | image GiB | gpusnap ÷ by hand |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "skipped" in r:
-            print(f"| {r['gib']:g} | — | skipped: {r['skipped']} | | | | | |")
+            print(f"| {r['gib']:g} | — | | skipped: {r['skipped']} | | | | | |")
             continue
         for who in ("gpusnap", "by_hand"):
             x = r[who]
             ratio = f"ckpt {r['checkpoint_ratio']:.3f}, restore {r['restore_ratio']:.3f}" if who == "gpusnap" else ""
             print(
-                f"| {r['gib']:g} | {who.replace('_', ' ')} | {x['checkpoint_s']:.2f} | {x['lock_s']:.3f} / {x['gpu_to_host_s']:.2f} / {x['criu_dump_s']:.2f} "
+                f"| {r['gib']:g} | {who.replace('_', ' ')} | {x['gpu_gib']:.1f} | {x['checkpoint_s']:.2f} | {x['lock_s']:.3f} / {x['gpu_to_host_s']:.2f} / {x['criu_dump_s']:.2f} "
                 f"| {x['restore_s']:.2f} | {x['criu_restore_s']:.2f} / {x['host_to_gpu_s']:.2f} / {x['unlock_s']:.3f} | {x['image_gib']:.1f} | {ratio} |"
             )
     return 0

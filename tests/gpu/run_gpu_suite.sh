@@ -9,6 +9,7 @@
 #   .gpu-tools/  CRIU 4.x + runc (built elsewhere by gpu-probe/make-tools.sh, or tests/gpu/stage.sh)
 #   .whl/        wheels of gpusnap itself and of the Python packages the machine lacks
 # (tests/gpu/stage.sh DEST builds both). Logs and JSON land in $OUT (default /tmp/gs-gpu-out).
+# GS_GPU_TESTS narrows the pytest part (default tests/gpu); GS_GPU_BENCH_SIZES the benchmark.
 # Exit status: the suite's (pytest), or the benchmark's if the suite passed.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -43,7 +44,7 @@ rm -f "$GS_GPU_REPORT"
 } 2>&1 | tee "$OUT/env.txt"
 
 cd "$REPO"
-python3 -m pytest -p no:cacheprovider -v -rfEs --timeout=400 --junitxml="$OUT/junit.xml" tests/gpu 2>&1 | tee "$OUT/suite.log"
+python3 -m pytest -p no:cacheprovider -v -rfEs --timeout=400 --junitxml="$OUT/junit.xml" ${GS_GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/suite.log"
 SUITE=${PIPESTATUS[0]}
 DEADLINE=0
 [ "$BUDGET" -gt 0 ] && DEADLINE=$((START + BUDGET))
