@@ -131,15 +131,19 @@ def store_checkpoint(
         entries = fmt.iter_directory(source)
     parent_digest = store.resolve(parent).digest if parent else None
     with store.writing():
-        built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest)
-        manifest_digest, manifest_size = built.manifest_digest, built.manifest_size
-        if encryption is not None:
-            from gpusnap.packaging.encrypted import encrypt_manifest
+        try:
+            built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest)
+            manifest_digest, manifest_size = built.manifest_digest, built.manifest_size
+            if encryption is not None:
+                from gpusnap.packaging.encrypted import encrypt_manifest
 
-            manifest_digest, manifest_size = encrypt_manifest(store, manifest_digest, encryption)
+                manifest_digest, manifest_size = encrypt_manifest(store, manifest_digest, encryption)
+        except BaseException:
+            store.discard_pending()
+            raise
         store.tag(ref, Descriptor(MEDIA_OCI_MANIFEST, manifest_digest, manifest_size, artifact_type=fmt.ARTIFACT_TYPE))
     if encryption is not None:
-        store.gc()
+        store.gc()  # the plaintext blobs are garbage now: only ciphertext stays at rest
     total = built.manifest_size + sum(d.size for d in built.layers) + len(json.dumps(built.config))
     return StoredCheckpoint(ref, manifest_digest, total, built.new_bytes, len(built.layers))
 
@@ -234,7 +238,7 @@ def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descr
         process_tree=config.get("processTree", []),
         gpus=config.get("gpus", []) or gpusnap_meta.get("gpus", []),
         gpu_processes=config.get("processes", []) or gpusnap_meta.get("processes", []),
-        timings=config.get("timings", {}) or gpusnap_meta.get("timings_s", {}),
+        timings={t["step"]: float(t["seconds"]) for t in config.get("timings", [])} or dict(gpusnap_meta.get("timings_s", {})),
         parent=config.get("parent"),
         annotations=annotations,
     )
@@ -323,6 +327,7 @@ def make_podman_image(store_dir: Path, ref: str, image_ref: str) -> StoredCheckp
             layer_digest = w.commit()
         except BaseException:
             w.abort()
+            store.discard_pending()
             raise
         layer_size = store.blob_path(layer_digest).stat().st_size
         cfg = art.config

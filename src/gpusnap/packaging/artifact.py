@@ -375,7 +375,8 @@ def make_config(
         "gpus": meta.get("gpus", []),
         "processes": meta.get("processes", []),
         "processTree": procs,
-        "timings": meta.get("timings_s", {}),
+        # A list, not an object: the config is written with sorted keys and step order matters.
+        "timings": [{"step": k, "seconds": v} for k, v in (meta.get("timings_s") or {}).items()],
         "sizes": sizes,
         "parent": parent,
         "compression": "zstd" if compress else None,

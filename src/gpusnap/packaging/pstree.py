@@ -64,6 +64,8 @@ def decode_message(buf: bytes) -> dict[int, list[Any]]:
         num, wire = key >> 3, key & 7
         if wire == 0:
             val, pos = _varint(buf, pos)
+        elif wire in (1, 5) and pos + (8 if wire == 1 else 4) > len(buf):
+            raise ImageFormatError("truncated fixed-size field")
         elif wire == 1:
             val = struct.unpack_from("<Q", buf, pos)[0]
             pos += 8
@@ -103,6 +105,8 @@ def read_entries(data: bytes, magic: int) -> list[bytes]:
         raise ImageFormatError(f"unexpected image magic {m0:#x}/{m1:#x}")
     pos, out = 8, []
     while pos < len(data):
+        if pos + 4 > len(data):
+            raise ImageFormatError("truncated entry header")
         (ln,) = struct.unpack_from("<I", data, pos)
         pos += 4
         if pos + ln > len(data):

@@ -72,7 +72,7 @@ class RemoteRef:
             registry, path = first, rest
         else:
             registry, path = "docker.io", text if "/" in text else f"library/{text}"
-        m = _REF_RE.match(path)
+        m = _REF_RE.fullmatch(path)
         if not m:
             raise UsageError(f"invalid registry reference {text!r}; use HOST[:PORT]/REPOSITORY[:TAG|@sha256:DIGEST]")
         tag = m.group("tag")
@@ -678,13 +678,8 @@ def pull_artifact(
     own_progress = progress is None
     prog = progress or default_progress(f"pull {source}")
     prog.add_total(sum(b.size for b in blobs.values()))
-    added: list[str] = []
-    added_lock = threading.Lock()
-
     def one(bd: Descriptor) -> None:
-        if client.download_blob(repo, bd, store, prog):
-            with added_lock:
-                added.append(bd.digest)
+        client.download_blob(repo, bd, store, prog)
 
     local_ref = str(RemoteRef(source.registry, source.repository, source.tag, None if source.tag else source.digest))
     with store.writing():
@@ -693,12 +688,9 @@ def pull_artifact(
             store.put_bytes(data, digest)
             store.tag(local_ref, Descriptor(media or MEDIA_OCI_MANIFEST, digest, len(data), artifact_type=manifest.get("artifactType")))
         except BaseException:
-            # Nothing half-done: blobs this pull added (each whole and verified) go again, so a
-            # failed pull leaves the store as it was.
-            referenced = store.referenced()
-            for dg in added:
-                if dg not in referenced:
-                    store.blob_path(dg).unlink(missing_ok=True)
+            # Nothing half-done: what this pull downloaded is still pending in ingest/ (only
+            # a tag publishes blobs), so dropping it leaves the store exactly as it was.
+            store.discard_pending()
             raise
         finally:
             if own_progress:

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +38,26 @@ ANNOTATION_REF_NAME = "org.opencontainers.image.ref.name"
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 # A local reference: what a registry reference may be (host[:port]/path:tag), or a bare name.
 _REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:@]*$")
+
+
+def _syncfs(path: Path) -> None:
+    """Flush the filesystem holding ``path`` (Linux syncfs(2); os has no wrapper for it)."""
+    import ctypes
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -70,14 +91,14 @@ class Descriptor:
 
 
 def validate_digest(digest: str) -> str:
-    if not _DIGEST_RE.match(digest):
+    if not _DIGEST_RE.fullmatch(digest):
         raise IntegrityError(f"unsupported or malformed digest {digest!r}; only sha256:<64 hex> is accepted")
     return digest
 
 
 def normalize_ref(ref: str) -> str:
     """``name`` → ``name:latest``; keeps ``name:tag`` and ``name@sha256:...``."""
-    if not ref or not _REF_RE.match(ref) or ".." in ref:
+    if not ref or not _REF_RE.fullmatch(ref) or ".." in ref:
         raise UsageError(f"invalid reference {ref!r}: use NAME[:TAG], letters, digits, '.', '_', '-', '/' only")
     if "@" in ref:
         return ref
@@ -109,6 +130,9 @@ class BlobWriter:
         self._done = False
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._done:
+            # An aborted layer's tar/zstd writers may still flush when garbage-collected.
+            return len(data)
         self._hash.update(data)
         try:
             self._file.write(data)
@@ -137,17 +161,14 @@ class BlobWriter:
                     f"blob {digest} size mismatch: expected {expected_size} bytes, got {self.size}; the data was discarded"
                 )
             try:
-                self._file.flush()
-                os.fsync(self._file.fileno())
                 self._file.close()
             except OSError as exc:
                 raise _storage_error(exc, self._store.root) from None
-            final = self._store.blob_path(digest)
-            if final.exists():
+            if self._store.has_blob(digest):
                 self._path.unlink()
             else:
                 os.chmod(self._path, 0o600)
-                os.replace(self._path, final)
+                self._store._add_pending(digest, self._path)
             self._done = True
             return digest
         finally:
@@ -182,6 +203,8 @@ class OciStore:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self._pending: dict[str, Path] = {}
+        self._pending_lock = threading.Lock()
         self.blobs_dir = self.root / "blobs" / "sha256"
         self.ingest_dir = self.root / "ingest"
         # Checkpoints hold whole process memories: only the owner may read the store (0700 dirs,
@@ -202,8 +225,42 @@ class OciStore:
                     self._write_index({"schemaVersion": 2, "mediaType": MEDIA_OCI_INDEX, "manifests": []})
 
     # ---- blobs --------------------------------------------------------------------------------
+    # Verified blobs wait in ingest/ ("pending") until :meth:`publish`: one syncfs makes all of
+    # them durable, then they are renamed into blobs/. A blob in blobs/ is therefore always
+    # whole, verified and on disk, at the cost of one flush per operation instead of one fsync
+    # per blob (which halved pull speed for a 2 GiB checkpoint of ~400 chunks).
+    def _add_pending(self, digest: str, path: Path) -> None:
+        with self._pending_lock:
+            if digest in self._pending:
+                path.unlink()
+            else:
+                self._pending[digest] = path
+
+    def publish(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        _syncfs(self.root)
+        for digest, path in pending.items():
+            final = self.blobs_dir / digest.split(":", 1)[1]
+            if final.exists():
+                path.unlink(missing_ok=True)
+            else:
+                os.replace(path, final)
+        _fsync_dir(self.blobs_dir)
+
+    def discard_pending(self) -> None:
+        """Drop every blob this store object wrote but did not publish (a failed operation)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for path in pending.values():
+            path.unlink(missing_ok=True)
+
     def blob_path(self, digest: str) -> Path:
-        return self.blobs_dir / validate_digest(digest).split(":", 1)[1]
+        digest = validate_digest(digest)
+        pending = self._pending.get(digest)
+        return pending if pending is not None else self.blobs_dir / digest.split(":", 1)[1]
 
     def has_blob(self, digest: str) -> bool:
         return self.blob_path(digest).is_file()
@@ -287,6 +344,7 @@ class OciStore:
 
     def tag(self, ref: str, desc: Descriptor) -> None:
         ref = normalize_ref(ref)
+        self.publish()  # a tag never points at blobs that are not durable and visible
         if not self.has_blob(desc.digest):
             raise NotFoundError(f"cannot tag {ref}: manifest {desc.digest} is not in the store")
         with self._index_lock():

@@ -1,0 +1,261 @@
+"""``gpusnap push|pull|ls|rm|gc|inspect``: checkpoints as OCI artifacts, from the command line.
+
+Thin: every command calls :mod:`gpusnap.packaging.api` and renders the result, as a rich table
+(readable at 80 columns) or, with ``--json``, the same data as JSON on stdout.
+Expected failures print one line on stderr and exit with the error's documented code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+from gpusnap.config import load_settings
+from gpusnap.errors import GpusnapError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+StoreOpt = typer.Option(None, "--store", help="local OCI store directory (default: Settings.store_dir, GPUSNAP_STORE)")
+JsonOpt = typer.Option(False, "--json", help="print JSON instead of a table")
+InsecureOpt = typer.Option(False, "--insecure", help="plain HTTP to the registry (a local test registry)")
+
+
+def _store(store: Path | None) -> Path:
+    return store if store is not None else load_settings().store_dir
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=False)
+
+
+def _fail_cleanly(fn: F) -> F:
+    """One line on stderr and the documented exit code for every expected failure."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except GpusnapError as exc:
+            print(f"gpusnap: {exc}", file=sys.stderr)
+            raise typer.Exit(int(exc.exit_code)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def short(digest: str | None) -> str:
+    return (digest or "").replace("sha256:", "")[:12]
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _push(
+    ref: str = typer.Argument(..., help="local checkpoint reference (see `gpusnap ls`)"),
+    remote: str = typer.Argument(..., help="HOST[:PORT]/REPOSITORY[:TAG]"),
+    insecure: bool = InsecureOpt,
+    subject: str | None = typer.Option(None, "--subject", help="image in the same repository to attach the checkpoint to (referrers)"),
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Upload a stored checkpoint to a registry (only blobs the registry lacks are sent)."""
+    from gpusnap.packaging import api
+
+    r = api.push(_store(store), ref, remote, insecure=insecure, subject=subject)
+    if as_json:
+        _print_json(asdict(r))
+        return
+    _console().print(f"pushed {ref} → {r.remote}\n  digest {r.digest}\n  uploaded {human_size(r.uploaded_bytes)}, "
+                     f"already there {human_size(r.skipped_bytes)} ({r.mounted_blobs} mounted), {r.blobs} blobs, {r.seconds:.1f} s")
+
+
+def _pull(
+    remote: str = typer.Argument(..., help="HOST[:PORT]/REPOSITORY[:TAG|@DIGEST]"),
+    insecure: bool = InsecureOpt,
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Download a checkpoint into the local store, verifying every byte."""
+    from gpusnap.packaging import api
+
+    ref = api.pull(_store(store), remote, insecure=insecure)
+    if as_json:
+        desc = api.list_checkpoints(_store(store))
+        _print_json(next((d for d in desc if d["ref"] == ref), {"ref": ref}))
+        return
+    _console().print(f"pulled {remote} as {ref}")
+
+
+def _when(created: str) -> str:
+    """RFC 3339 → ``YYYY-MM-DD HH:MM`` (UTC) to keep the table inside 80 columns."""
+    return created.replace("T", " ")[:16] if len(created) >= 16 else created
+
+
+def ls_table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("REFERENCE", overflow="fold", ratio=3)
+    t.add_column("DIGEST", no_wrap=True)
+    t.add_column("CONTAINER", overflow="fold", ratio=1)
+    t.add_column("CREATED", no_wrap=True)
+    t.add_column("SIZE", justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(r["ref"], short(r["digest"]), r.get("container", ""), _when(r.get("created", "")), human_size(r.get("size", 0)))
+    return t
+
+
+def _ls(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
+    """List the checkpoints in the local store."""
+    from gpusnap.packaging import api
+
+    rows = api.list_checkpoints(_store(store))
+    if as_json:
+        _print_json(rows)
+        return
+    _console().print(ls_table(rows))
+
+
+def _rm(
+    refs: list[str] = typer.Argument(..., help="references to remove (blobs are freed by `gpusnap gc`)"),
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Remove checkpoint references from the local store."""
+    from gpusnap.packaging import api
+
+    removed = [{"ref": r, "digest": api.remove(_store(store), r)} for r in refs]
+    if as_json:
+        _print_json(removed)
+        return
+    for r in removed:
+        _console().print(f"removed {r['ref']} ({short(r['digest'])})")
+
+
+def _gc(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
+    """Delete blobs no checkpoint in the local store uses any more."""
+    from gpusnap.packaging import api
+
+    blobs, freed = api.gc(_store(store))
+    if as_json:
+        _print_json({"blobs_removed": blobs, "bytes_freed": freed})
+        return
+    _console().print(f"removed {blobs} blobs, freed {human_size(freed)}")
+
+
+def inspect_renderables(info: Any) -> list[Any]:
+    """Tables and a tree for ``gpusnap inspect``; each fits 80 columns."""
+    out: list[Any] = []
+    s = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
+    s.add_column(style="bold", no_wrap=True)
+    s.add_column(overflow="fold")
+    engine = f"{info.engine.get('name', '')} {info.engine.get('version', '')}".strip()
+    runtime = f"{info.runtime.get('name', '')} {info.runtime.get('version', '')}".strip()
+    for k, v in [
+        ("Checkpoint", info.ref), ("Digest", info.digest), ("Form", info.form),
+        ("Container", " ".join(x for x in (info.container.get("name", ""), f"({short(info.container.get('id'))})"
+                                         if info.container.get("id") and info.container.get("id") != info.container.get("name") else "") if x)),
+        ("Image", info.image.get("name", "")), ("Engine", engine), ("Runtime", runtime), ("Created", info.created),
+        ("CRIU", info.criu_version), ("Host", f"{info.kernel} {info.arch}".strip()),
+        ("Size", f"{human_size(info.sizes.get('total', 0))} ({human_size(info.stored_size)} stored)"),
+        ("Parent", info.parent or ""),
+    ]:
+        if v:
+            s.add_row(k, str(v))
+    out.append(s)
+
+    layers = Table(title="Layers", box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+    layers.add_column("ROLE", no_wrap=True)
+    layers.add_column("FILE", overflow="fold")
+    layers.add_column("BLOBS", justify="right")
+    layers.add_column("SIZE", justify="right", no_wrap=True)
+    layers.add_column("DIGEST", no_wrap=True)
+    for la in info.layers:
+        layers.add_row(la.role, la.file, str(la.count), human_size(la.size), short(la.digest) + ("…" if la.count > 1 else ""))
+    out.append(layers)
+
+    if info.process_tree:
+        gpu_by_pid = {p.get("ns_pid"): p for p in info.gpu_processes}
+        tree = Tree("[bold]Processes[/bold]")
+        nodes: dict[int, Tree] = {}
+        for p in info.process_tree:
+            g = gpu_by_pid.get(p["pid"])
+            label = f"{p['pid']} {p.get('comm', '')}"
+            if len(p.get("threads", [])) > 1:
+                label += f" ({len(p['threads'])} threads)"
+            if g:
+                label += f"  GPU {human_size(g.get('gpu_memory_bytes', 0))}"
+            parent = nodes.get(p.get("ppid", 0), tree)
+            nodes[p["pid"]] = parent.add(label)
+        out.append(tree)
+
+    if info.gpus:
+        g = Table(title="GPUs", box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+        for col in ("#", "NAME", "UUID", "MEMORY"):
+            g.add_column(col, overflow="fold")
+        for gpu in info.gpus:
+            g.add_row(str(gpu.get("index", "")), gpu.get("name", ""), gpu.get("uuid", ""), human_size(gpu.get("memory_total_bytes", 0)))
+        out.append(g)
+    if info.gpu_processes:
+        gp = Table(title="GPU memory per process", box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+        for col in ("PID", "HOST PID", "COMMAND", "GPU MEMORY", "GPUS"):
+            gp.add_column(col, overflow="fold")
+        for p in info.gpu_processes:
+            gp.add_row(str(p.get("ns_pid", "")), str(p.get("host_pid", "")), p.get("comm", ""),
+                       human_size(p.get("gpu_memory_bytes", 0)), ", ".join(p.get("gpu_uuids", [])))
+        out.append(gp)
+    if info.timings:
+        tt = Table(title="Timing", box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+        tt.add_column("STEP", overflow="fold")
+        tt.add_column("SECONDS", justify="right")
+        for step, secs in info.timings.items():
+            tt.add_row(step, f"{secs:.3f}")
+        tt.add_row("[bold]total[/bold]", f"[bold]{sum(info.timings.values()):.3f}[/bold]")
+        out.append(tt)
+    return out
+
+
+def _inspect(
+    target: str = typer.Argument(..., help="a stored reference, or a checkpoint directory / podman archive on disk"),
+    form: str | None = typer.Option(None, "--form", help="form of a PATH: criu-dir, podman-archive, docker-dir (guessed)"),
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Show a checkpoint: container, image, sizes per layer, process tree, GPUs, timings."""
+    from gpusnap.packaging import api
+
+    path = Path(target)
+    info = api.inspect_path(path, form=form) if path.exists() else api.inspect(_store(store), target)
+    if as_json:
+        _print_json(info.to_dict())
+        return
+    console = _console()
+    for r in inspect_renderables(info):
+        console.print(r)
+
+
+def register(app: typer.Typer) -> None:
+    """Add push, pull, ls, rm, gc and inspect to the ``gpusnap`` app."""
+    app.command("push")(_fail_cleanly(_push))
+    app.command("pull")(_fail_cleanly(_pull))
+    app.command("ls")(_fail_cleanly(_ls))
+    app.command("rm")(_fail_cleanly(_rm))
+    app.command("gc")(_fail_cleanly(_gc))
+    app.command("inspect")(_fail_cleanly(_inspect))

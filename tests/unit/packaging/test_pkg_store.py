@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpusnap.errors import IntegrityError, NotFoundError, UsageError
+from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, Descriptor, OciStore, normalize_ref, sha256_digest
+
+
+def _manifest(store: OciStore, layers: list[bytes]) -> Descriptor:
+    descs = [Descriptor("application/octet-stream", store.put_bytes(b), len(b)).to_dict() for b in layers]
+    cfg = store.put_bytes(b"{}")
+    m = json.dumps({"schemaVersion": 2, "mediaType": MEDIA_OCI_MANIFEST,
+                    "config": {"mediaType": "application/json", "digest": cfg, "size": 2}, "layers": descs}).encode()
+    return Descriptor(MEDIA_OCI_MANIFEST, store.put_bytes(m), len(m))
+
+
+def test_layout_files_exist(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    assert json.loads((tmp_path / "oci-layout").read_text()) == {"imageLayoutVersion": "1.0.0"}
+    assert json.loads((tmp_path / "index.json").read_text())["manifests"] == []
+    assert s.tags() == []
+
+
+def test_blob_with_wrong_digest_is_rejected_and_never_visible(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    wrong = sha256_digest(b"something else")
+    with pytest.raises(IntegrityError, match="digest mismatch"):
+        s.put_bytes(b"payload", wrong)
+    assert not s.has_blob(wrong) and not s.has_blob(sha256_digest(b"payload"))
+    assert list(s.ingest_dir.iterdir()) == []
+
+
+def test_blob_with_wrong_size_is_rejected(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    w = s.writer()
+    w.write(b"abc")
+    with pytest.raises(IntegrityError, match="size mismatch"):
+        w.commit(sha256_digest(b"abc"), 4)
+    assert not s.has_blob(sha256_digest(b"abc"))
+    assert list(s.ingest_dir.iterdir()) == []
+
+
+def test_identical_content_is_stored_once(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    d1 = s.put_bytes(b"same bytes")
+    d2 = s.put_bytes(b"same bytes")
+    s.publish()
+    assert d1 == d2 and len(list(s.blobs_dir.iterdir())) == 1
+    assert s.put_bytes(b"same bytes") == d1 and list(s.ingest_dir.iterdir()) == []
+
+
+def test_blobs_become_visible_only_when_published(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    d = s.put_bytes(b"pending")
+    assert s.has_blob(d)  # this operation sees it (dedup) ...
+    assert not OciStore(tmp_path).has_blob(d)  # ... nobody else does yet
+    s.discard_pending()
+    assert not s.has_blob(d) and list(s.ingest_dir.iterdir()) == []
+    d = s.put_bytes(b"published")
+    s.publish()
+    assert OciStore(tmp_path).has_blob(d)
+
+
+def test_tag_resolve_untag(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    m = _manifest(s, [b"layer"])
+    s.tag("gs-pkg/a", m)
+    s.tag("gs-pkg/a:two", m)
+    assert [t.ref for t in s.tags()] == ["gs-pkg/a:latest", "gs-pkg/a:two"]
+    assert s.resolve("gs-pkg/a").digest == m.digest
+    assert s.resolve(m.digest).digest == m.digest
+    s.untag("gs-pkg/a:latest")
+    with pytest.raises(NotFoundError):
+        s.resolve("gs-pkg/a:latest")
+    assert s.resolve("gs-pkg/a:two").digest == m.digest
+
+
+def test_retag_replaces_the_old_target(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    a, b = _manifest(s, [b"a"]), _manifest(s, [b"b"])
+    s.tag("x:1", a)
+    s.tag("x:1", b)
+    assert [t.descriptor.digest for t in s.tags()] == [b.digest]
+
+
+def test_gc_keeps_what_tags_use(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    keep = _manifest(s, [b"shared", b"only-keep"])
+    drop = _manifest(s, [b"shared", b"only-drop"])
+    s.tag("keep", keep)
+    s.tag("drop", drop)
+    s.untag("drop")
+    (s.ingest_dir / "blob-stale").write_bytes(b"debris")
+    removed, freed = s.gc()
+    assert removed == 2 and freed > 0  # drop's manifest and its own layer
+    assert s.has_blob(sha256_digest(b"shared")) and s.has_blob(sha256_digest(b"only-keep"))
+    assert not s.has_blob(sha256_digest(b"only-drop")) and not s.has_blob(drop.digest)
+    assert list(s.ingest_dir.iterdir()) == []
+
+
+def test_corrupt_blob_is_detected_on_read(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    d = s.put_bytes(b'{"a": 1}')
+    s.blob_path(d).write_bytes(b'{"a": 2}')
+    with pytest.raises(IntegrityError, match="corrupt"):
+        s.read_bytes(d)
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "/abs", "a b", "x\n"])
+def test_bad_references_are_refused(bad: str) -> None:
+    with pytest.raises(UsageError):
+        normalize_ref(bad)
+
+
+def test_reference_normalization() -> None:
+    assert normalize_ref("a") == "a:latest"
+    assert normalize_ref("127.0.0.1:5100/a/b") == "127.0.0.1:5100/a/b:latest"
+    assert normalize_ref("127.0.0.1:5100/a/b:v1") == "127.0.0.1:5100/a/b:v1"
