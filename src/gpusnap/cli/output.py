@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
+from rich.progress import ProgressColumn
 from rich.table import Column, Table
+from rich.text import Text
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class Out:
         self.stdout.print(table)
 
     def info(self, text: str) -> None:
-        self.stdout.print(text)
+        # Not wrapped: references and paths must stay whole for copy and paste.
+        self.stdout.print(text, soft_wrap=True)
 
     def detail(self, text: str) -> None:
         if self.verbose:
@@ -63,9 +66,20 @@ class Out:
             return
         from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      console=self.stderr, transient=True) as live:
+        bytes_only = [_TransferColumn(c) for c in (BarColumn(), DownloadColumn(), TransferSpeedColumn())]
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), *bytes_only, console=self.stderr, transient=True) as live:
             yield Reporter(live, self.detail, live.add_task(start, total=None))
+
+
+class _TransferColumn(ProgressColumn):
+    """Shows its column for byte transfers only; step lines are a spinner and their text."""
+
+    def __init__(self, inner: ProgressColumn) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def render(self, task: Any) -> Any:
+        return self._inner.render(task) if task.fields.get("transfer") else Text("")
 
 
 class _Transfer:
@@ -73,7 +87,7 @@ class _Transfer:
 
     def __init__(self, live: Any, description: str) -> None:
         self._live = live
-        self._task = live.add_task(description, total=0)
+        self._task = live.add_task(description, total=0, transfer=True)
 
     def add_total(self, n: int) -> None:
         task = next(t for t in self._live.tasks if t.id == self._task)

@@ -6,7 +6,7 @@ dockerd refuses a custom checkpoint directory at start ("custom checkpointdir is
 supported"), so a restore copies the images into the new container's own checkpoint directory
 under ``DockerRootDir`` — which also means gpusnap runs on the same host as dockerd, as CRIU must.
 
-The docker-dir form is docker's checkpoint directory (CRIU images) plus ``docker-container.json``:
+The docker-dir form is docker's checkpoint (one flat CRIU image directory) plus ``docker-container.json``:
 the image and settings needed to create the container again under a new name.
 """
 
@@ -26,7 +26,7 @@ from gpusnap.engines.base import (
     EngineCheckpoint,
     RestoreOptions,
 )
-from gpusnap.errors import CheckpointError, MissingDependencyError, NotFoundError, RestoreError
+from gpusnap.errors import CheckpointError, MissingDependencyError, NotFoundError, RestoreError, UsageError
 
 NAME = "docker"
 CONTAINER_RECORD = "docker-container.json"
@@ -123,18 +123,25 @@ class DockerEngine:
     def checkpoint(self, container: ContainerInfo, dest: Path, opts: CheckpointOptions) -> EngineCheckpoint:
         import docker
 
+        if opts.tcp_established:
+            # The Engine API's checkpoint call has no such option; failing beats silently
+            # dropping the connections at restore.
+            raise UsageError("docker's checkpoint API cannot keep established TCP connections; drop --tcp-established or use podman or runc-direct")
         client = self._client()
         api = client.api
         attrs = api.inspect_container(container.id)
-        dest.mkdir(parents=True)
-        body = {"CheckpointID": CHECKPOINT_ID, "CheckpointDir": str(dest), "Exit": not opts.leave_running}
+        # dockerd writes <CheckpointDir>/<CheckpointID>/; the images are then moved up so the
+        # form is one flat CRIU image directory (what packaging reads the process tree from).
+        staging = dest.with_name(dest.name + ".docker")
+        staging.mkdir(parents=True)
+        body = {"CheckpointID": CHECKPOINT_ID, "CheckpointDir": str(staging), "Exit": not opts.leave_running}
         try:
             # The SDK has no wrapper for this endpoint; _post_json/_url are how its own
             # wrappers build calls, so the call keeps the SDK's auth, timeouts and API version.
             resp = api._post_json(api._url("/containers/{0}/checkpoints", container.id), data=body)
             api._raise_for_status(resp)
         except docker.errors.APIError as exc:
-            shutil.rmtree(dest, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(
                 f"docker could not checkpoint {container.name}: {_one_line(exc)}; the container was left as it was"
                 " (docker needs \"experimental\": true in daemon.json and CRIU on dockerd's PATH)"
@@ -145,17 +152,17 @@ class DockerEngine:
             "host_config": {k: attrs["HostConfig"].get(k) for k in _HOST_KEYS if attrs["HostConfig"].get(k) is not None},
             "tcp_established": opts.tcp_established,
         }
-        image_dir = dest / CHECKPOINT_ID
+        (staging / CHECKPOINT_ID).rename(dest)
+        staging.rmdir()
         (dest / CONTAINER_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
-        return EngineCheckpoint(form=self.form, path=dest, image_dir=image_dir, container=container)
+        return EngineCheckpoint(form=self.form, path=dest, image_dir=dest, container=container)
 
     def restore(self, source: Path, opts: RestoreOptions) -> ContainerInfo:
         import docker
 
         record_path = source / CONTAINER_RECORD
-        images = source / CHECKPOINT_ID
-        if not record_path.is_file() or not images.is_dir():
-            raise RestoreError(f"{source} is not a docker checkpoint (no {CONTAINER_RECORD} or {CHECKPOINT_ID}/); pick --engine to match it")
+        if not record_path.is_file() or not (source / "inventory.img").is_file():
+            raise RestoreError(f"{source} is not a docker checkpoint (no {CONTAINER_RECORD} or CRIU images); pick --engine to match it")
         record = json.loads(record_path.read_text())
         client = self._client()
         api = client.api
@@ -175,7 +182,7 @@ class DockerEngine:
         cid = created["Id"]
         try:
             root = Path(client.info()["DockerRootDir"])
-            shutil.copytree(images, root / "containers" / cid / "checkpoints" / CHECKPOINT_ID)
+            shutil.copytree(source, root / "containers" / cid / "checkpoints" / CHECKPOINT_ID, ignore=shutil.ignore_patterns(CONTAINER_RECORD))
             resp = api._post(api._url("/containers/{0}/start", cid), params={"checkpoint": CHECKPOINT_ID})
             api._raise_for_status(resp)
         except BaseException as exc:

@@ -296,8 +296,10 @@ class RuncDirectEngine:
             raise UsageError("no command given; pass the program to run after the options, e.g. `gpusnap run NAME -- sh -c '...'`")
         if network not in NETWORK_MODES:
             raise UsageError(f"unknown network {network!r}; use one of {', '.join(NETWORK_MODES)}")
-        if (publish or ip) and network != "bridge":
-            raise UsageError("--publish and --ip need --network bridge")
+        if publish and network != "bridge":
+            raise UsageError("--publish needs --network bridge")
+        if ip and network != "bridge":
+            raise UsageError("--ip needs --network bridge")
         if rootfs != BUSYBOX_ROOTFS:
             src = Path(rootfs).resolve()
             if not src.is_dir():
@@ -422,8 +424,11 @@ class RuncDirectEngine:
             *self._prepare_bundle(rec, spec),
             Step("start the log copier", spawn_logcopy, stop_logcopy),
             Step("restore the container" if restore_from else "start the container", start, undo_start),
-            Step("record the container", mark_running),
         ]
+        if restore_from is not None and rec.network != "none":
+            # The recreated network stays unplugged until the sockets are back (see activate).
+            steps.append(Step("connect the network", lambda: _network_manager(self.settings).activate(rec.name)))
+        steps.append(Step("record the container", mark_running))
         run_steps(steps)
 
     def checkpoint(self, container: ContainerInfo, dest: Path, opts: CheckpointOptions) -> EngineCheckpoint:

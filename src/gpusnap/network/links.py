@@ -118,13 +118,26 @@ def delete_link(ipr: IPRoute, ifname: str) -> None:
             raise
 
 
-def create_veth(ipr: IPRoute, host_name: str, peer_name: str, peer_netns: str, bridge: str, mtu: int) -> None:
-    """A veth pair whose peer is created straight inside ``peer_netns``, host end on ``bridge``."""
+def create_veth(
+    ipr: IPRoute, host_name: str, peer_name: str, peer_netns: str, bridge: str, mtu: int, *, up: bool = True
+) -> None:
+    """A veth pair whose peer is created straight inside ``peer_netns``, host end on ``bridge``.
+
+    ``up=False`` leaves the host end down: the container side has no carrier, so nothing from
+    outside reaches the namespace until :func:`set_link_up`.
+    """
     if _index(ipr, host_name) is not None:
         raise UsageError(f"interface {host_name} already exists; a container with this id already has a network")
     ipr.link("add", ifname=host_name, kind="veth", mtu=mtu, peer={"ifname": peer_name, "net_ns_fd": peer_netns})
     index = _index(ipr, host_name)
-    ipr.link("set", index=index, master=_index(ipr, bridge), state="up")
+    ipr.link("set", index=index, master=_index(ipr, bridge), state="up" if up else "down")
+
+
+def set_link_up(ipr: IPRoute, ifname: str) -> None:
+    index = _index(ipr, ifname)
+    if index is None:
+        raise GpusnapError(f"interface {ifname} does not exist; recreate the container's network")
+    ipr.link("set", index=index, state="up")
 
 
 def configure_container_side(
@@ -156,6 +169,7 @@ def container_side(netns_name: str, ifname: str) -> dict[str, Any]:
         return {
             "mac": link.get("IFLA_ADDRESS"),
             "up": bool(link["flags"] & 1),
+            "carrier": bool(link.get("IFLA_CARRIER")),
             "addresses": sorted(f"{a}/{p}" for a, p in _addresses(ns, index)),
             "routes": routes,
         }

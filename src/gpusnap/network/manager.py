@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from pyroute2 import netns as pyroute2_netns
 
@@ -21,6 +23,7 @@ from gpusnap.network.request import NetworkConfig, NetworkRequest, PortMapping, 
 from gpusnap.steps import Step, StepFailed, run_steps
 
 CONTAINER_IFNAME = "eth0"
+T = TypeVar("T")
 
 
 class NetworkManager:
@@ -53,7 +56,8 @@ class NetworkManager:
         return self._create(container_id, request, mac=links.random_mac())
 
     def recreate(self, record: NetworkRecord, ip: str | None = None, container_id: str | None = None) -> NetworkRecord:
-        """Rebuild a checkpointed container's network before ``runc restore``.
+        """Rebuild a checkpointed container's network before ``runc restore``; held down until
+        :meth:`activate`, which the caller runs once the restore has finished.
 
         Same address and MAC by default (established TCP connections need the address; the MAC
         keeps peers' ARP caches valid); ``ip`` picks another address in the same subnet, which
@@ -65,7 +69,20 @@ class NetworkManager:
         request = NetworkRequest(
             bridge=record.bridge, subnet=record.subnet, ip=address, ports=record.ports, nat=record.nat, mtu=record.mtu
         )
-        return self._create(container_id or record.container_id, request, mac=record.mac)
+        return self._create(container_id or record.container_id, request, mac=record.mac, up=False)
+
+    def activate(self, container_id: str) -> None:
+        """Connect a recreated network once ``runc restore`` has put the sockets back.
+
+        ``recreate`` leaves the host end of the veth down. While the address exists but the
+        restored sockets do not yet, a peer's retransmission would reach the namespace and be
+        answered with a RST, killing the very connection being restored. Down, it is simply lost
+        and retransmitted later, to the restored socket.
+        """
+        record = self.get(container_id)
+        if record is None:
+            raise NotFoundError(f"container {container_id} has no gpusnap network; create or recreate it first")
+        self._in_host(lambda ipr: links.set_link_up(ipr, record.host_veth))
 
     def get(self, container_id: str) -> NetworkRecord | None:
         lease = self.ipam.get(container_id)
@@ -108,7 +125,7 @@ class NetworkManager:
         with self.ipam.locked() as state:
             used = {lease.bridge for lease in state.leases.values()}
             for bridge in sorted(set(state.bridges) - used):
-                self._in_host(lambda ipr, b=bridge: links.delete_link(ipr, b))
+                self._delete_host_link(bridge)
                 del state.bridges[bridge]
                 removed.append(bridge)
             # The table may hold rules of containers recorded in another state directory on the
@@ -119,11 +136,15 @@ class NetworkManager:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _in_host(self, fn):  # type: ignore[no-untyped-def]
+    def _delete_host_link(self, ifname: str) -> None:
+        self._in_host(lambda ipr: links.delete_link(ipr, ifname))
+
+    def _in_host(self, fn: Callable[[links.IPRoute], T]) -> T:
+        """Run ``fn`` with an rtnetlink socket in the namespace holding the bridge."""
         with links.rtnl(self.config.host_netns) as ipr:
             return fn(ipr)
 
-    def _create(self, container_id: str, request: NetworkRequest, mac: str) -> NetworkRecord:
+    def _create(self, container_id: str, request: NetworkRequest, mac: str, up: bool = True) -> NetworkRecord:
         subnet = ipaddress.IPv4Network(request.subnet)
         gateway = str(gateway_of(subnet))
         netns_name = self.netns_name(container_id)
@@ -174,13 +195,19 @@ class NetworkManager:
                 nat=request.nat,
             )
 
+        def add_rules() -> None:
+            self.nft.ensure_table()
+            self.nft.add_container(record())
+
         steps = [
             Step("lease address", lease, unlease),
             Step("create netns", lambda: links.create_netns(netns_name), lambda: links.remove_netns(netns_name)),
             Step(
                 "create veth",
                 lambda: self._in_host(
-                    lambda ipr: links.create_veth(ipr, host_veth, CONTAINER_IFNAME, netns_name, request.bridge, request.mtu)
+                    lambda ipr: links.create_veth(
+                        ipr, host_veth, CONTAINER_IFNAME, netns_name, request.bridge, request.mtu, up=up
+                    )
                 ),
                 lambda: self._in_host(lambda ipr: links.delete_link(ipr, host_veth)),
             ),
@@ -193,7 +220,7 @@ class NetworkManager:
             Step("enable forwarding", lambda: self._sysctls(request)),
             Step(
                 "add nftables rules",
-                lambda: (self.nft.ensure_table(), self.nft.add_container(record())),
+                add_rules,
                 lambda: self.nft.remove_container(container_id),
             ),
             Step("record network", lambda: self.ipam.commit(record())),

@@ -114,3 +114,26 @@ def test_checkpoint_from_another_host_is_refused(gs: Gs, edited_checkpoint: Path
     assert words in line
     assert snapshot(gs) == before
     shutil.rmtree(gs.store, ignore_errors=True)
+
+
+def test_docker_refuses_tcp_established_and_keeps_running(gs: Gs, docker_counter: str) -> None:
+    before = snapshot(gs)
+    line = one_line_error(gs("checkpoint", docker_counter, "--tcp-established", check=False), ExitCode.USAGE)
+    assert "--tcp-established" in line
+    state = subprocess.run([DOCKER, "inspect", "--format", "{{.State.Status}}", docker_counter], capture_output=True, text=True)
+    assert state.stdout.strip() == "running"
+    assert snapshot(gs) == before
+
+
+def test_restore_name_taken_changes_nothing(gs: Gs, tmp_path: Path) -> None:
+    name = unique("rd")
+    gs("run", name, "--", "sh", "-c", COUNTER)
+    try:
+        out = tmp_path / "ck"
+        gs("checkpoint", name, "--output", str(out), "--leave-running")
+        before = snapshot(gs)
+        line = one_line_error(gs("restore", str(out), "--name", name, check=False), ExitCode.USAGE)
+        assert "already has a container named" in line and "--name" in line
+        assert snapshot(gs) == before
+    finally:
+        gs("delete", name, check=False)

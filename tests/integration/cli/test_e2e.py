@@ -3,6 +3,7 @@ everywhere, restore it under a new name, and see it count on from where it stopp
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -13,12 +14,6 @@ import pytest
 from .conftest import COUNTER, DOCKER, Gs, docker_logs, podman_logs, unique, wait_numbers
 
 pytestmark = pytest.mark.integration
-
-
-def _packaging_present() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("gpusnap.packaging.api") is not None
 
 
 def assert_continues(before_last: int, after: list[int]) -> None:
@@ -107,8 +102,7 @@ def test_checkpoint_to_path_and_restore(case: EngineCase, tmp_path: Path) -> Non
     _checkpoint_and_restore(case, ["--output", str(out)], str(out), wipe=lambda: None)
 
 
-@pytest.mark.skipif(not _packaging_present(), reason="packaging not merged yet")
-def test_push_remove_everywhere_restore_from_registry(case: EngineCase, registry: str) -> None:
+def test_push_remove_everywhere_restore_from_registry(case: EngineCase, registry: str, tmp_path: Path) -> None:
     ref = f"{registry}/{case.name}:v1"
     _checkpoint_and_restore(
         case,
@@ -117,3 +111,47 @@ def test_push_remove_everywhere_restore_from_registry(case: EngineCase, registry
         wipe=lambda: shutil.rmtree(case.gs.store, ignore_errors=True),
         restore_args=["--insecure"],
     )
+    check_inspect(case, ref, tmp_path)
+
+
+def _has_command(gs: Gs, name: str) -> bool:
+    return f" {name} " in gs("--help").stdout
+
+
+def check_inspect(case: EngineCase, ref: str, tmp_path: Path) -> None:
+    """`gpusnap inspect` on the restored reference: the counter's process tree and its sizes,
+    checked against the CRIU images themselves (and, for podman, against checkpointctl)."""
+    import dataclasses
+
+    from gpusnap.packaging import api
+
+    gs = case.gs
+    cli = _has_command(gs, "inspect")  # comes with the packaging CLI (cli/artifacts.py)
+    info = gs.json("inspect", ref) if cli else dataclasses.asdict(api.inspect(gs.store, ref))
+    tree = info["process_tree"]  # type: ignore[index]
+    by_pid = {p["pid"]: p for p in tree}
+    assert by_pid[1]["comm"] == "sh", tree
+    assert all(p["comm"] == "sleep" and p["ppid"] == 1 for p in tree if p["pid"] != 1), tree
+    sizes = info["sizes"]  # type: ignore[index]
+    assert sizes["pages"] > 0
+    assert sizes["total"] == sum(v for k, v in sizes.items() if k != "total")
+
+    form = {"podman": "podman-archive", "docker": "docker-dir", "runc-direct": "criu-dir"}[case.engine]
+    dest = api.materialize_checkpoint(gs.store, ref, tmp_path / ("ck.tar" if form == "podman-archive" else "ck"), form=form)
+    if form == "podman-archive":
+        out = subprocess.run(["checkpointctl", "inspect", str(dest), "--ps-tree", "--format", "json"], capture_output=True, text=True, check=True)
+        [peer] = json.loads(out.stdout)
+        assert sizes["pages"] == peer["checkpoint_size"]["memory_pages_size"]
+        want = [(peer["process_tree"]["pid"], peer["process_tree"]["command"])]
+        want += [(c["pid"], c["command"]) for c in peer["process_tree"].get("children", [])]
+        assert sorted((p["pid"], p["comm"]) for p in tree) == sorted(want)
+    else:
+        pages = sum(p.stat().st_size for p in Path(dest).rglob("pages-*.img"))
+        assert sizes["pages"] == pages
+
+    if not cli:
+        return
+    # The table fits 80 columns and says what the JSON says.
+    table = gs("inspect", ref).stdout
+    assert max(len(ln) for ln in table.splitlines()) <= 80, table
+    assert "sh" in table.split() and str(info["digest"])[:19] in table  # type: ignore[index]

@@ -29,3 +29,49 @@ def test_ps_table_fits_80_columns_and_matches_json(gs: Gs) -> None:
     finally:
         for n in names:
             gs("delete", n, check=False)
+
+
+def read_table(text: str, columns: list[str], new_row_column: str) -> list[dict[str, str]]:
+    """The cells of a rendered table, folded cells joined up again.
+
+    Columns are cut at the header's word positions (left-aligned columns only); a line whose
+    ``new_row_column`` cell is not empty starts a row, other lines continue the cells above.
+    """
+    lines = [ln for ln in text.splitlines() if ln.strip() and not set(ln.strip()) <= {"─"}]
+    header = next(i for i, ln in enumerate(lines) if ln.split()[:1] == [columns[0]])
+    starts = [lines[header].index(c) for c in columns]
+    rows: list[dict[str, str]] = []
+    for line in lines[header + 1 :]:
+        cut = {c: line[starts[i] : starts[i + 1] if i + 1 < len(starts) else len(line)].strip() for i, c in enumerate(columns)}
+        if cut[new_row_column] or not rows:
+            rows.append(cut)
+        else:
+            for c, v in cut.items():
+                rows[-1][c] += v
+    return rows
+
+
+def test_ls_and_inspect_fit_80_columns_and_match_json(gs: Gs) -> None:
+    names = [unique("rd-ls"), unique("rd-ls-second")]
+    try:
+        for n in names:
+            gs("run", n, "--", "sh", "-c", COUNTER)
+            gs("checkpoint", n, "--leave-running")
+        table = gs("ls").stdout
+        assert max(len(line) for line in table.splitlines()) <= 80, table
+        rows = gs.json("ls")
+        assert sorted(r["container"] for r in rows) == sorted(names)  # type: ignore[index,union-attr]
+        cells = read_table(table, ["REFERENCE", "DIGEST", "CONTAINER", "CREATED"], new_row_column="DIGEST")
+        assert sorted((c["REFERENCE"], c["DIGEST"], c["CONTAINER"]) for c in cells) == sorted(
+            (r["ref"], r["digest"].split(":")[1][:12], r["container"]) for r in rows  # type: ignore[index,union-attr]
+        )
+        for r in rows:  # type: ignore[union-attr]
+            info = gs.json("inspect", r["ref"])
+            assert info["container"]["name"] == r["container"] and info["digest"] == r["digest"]  # type: ignore[index]
+            shown = gs("inspect", r["ref"]).stdout
+            assert max(len(line) for line in shown.splitlines()) <= 80, shown
+            assert info["form"] in shown and info["engine"]["name"] in shown  # type: ignore[index]
+            assert [ln.split() for ln in shown.splitlines() if ln.strip().startswith("└── 1 ")] == [["└──", "1", "sh"]]
+    finally:
+        for n in names:
+            gs("delete", n, check=False)

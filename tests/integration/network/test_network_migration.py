@@ -103,6 +103,7 @@ def test_established_tcp_connection_follows_the_container_to_a_second_host(
         assert host_b.manager.get("gs-net-mig2") == rec_b and host_a.manager.get("gs-net-mig1") is None
         _route_subnet_via(host_b)
         runc.restore("gs-net-mig2", write_bundle(workdir / "b2", rec_b.netns_path, rootfs), workdir / "img-b")
+        host_b.manager.activate("gs-net-mig2")
 
         assert client.read_line() == "2:in-flight"
         assert client.ask("on-b") == "3:on-b"
@@ -133,6 +134,7 @@ def test_restore_with_another_ip_on_the_second_host(hosts: tuple[SimHost, SimHos
     assert links.container_side(rec_b.netns, "eth0")["addresses"] == ["10.233.5.77/24"]
     _route_subnet_via(host_b)
     runc.restore("gs-net-ip2", write_bundle(workdir / "b2", rec_b.netns_path, rootfs, args), workdir / "img")
+    host_b.manager.activate("gs-net-ip2")
     assert http_get("10.233.5.77", 8080).endswith("hello\n")
     runc.delete("gs-net-ip2")
     host_b.manager.remove("gs-net-ip2")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,12 @@ def test_tcp_connection_survives_leave_running_then_full_checkpoint_and_restore_
 
         rec2 = manager.recreate(rec, container_id="gs-net-tcp2")
         assert (rec2.address, rec2.mac, rec2.netns) == (rec.address, rec.mac, "gs-net-ns-gs-net-tcp2")
+        # Held unplugged until the sockets are back: a retransmission reaching the namespace now
+        # would meet no socket and be answered with a RST. Give the client time to retransmit.
+        assert not links.container_side(rec2.netns, "eth0")["carrier"]
+        time.sleep(1.5)
         runc.restore("gs-net-tcp2", write_bundle(workdir / "b2", rec2.netns_path, rootfs), workdir / "img")
+        manager.activate("gs-net-tcp2")
         assert client.read_line() == "3:while-down"
         assert client.ask("after-restore") == "4:after-restore"
         assert client.ask("again") == "5:again"

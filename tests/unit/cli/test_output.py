@@ -43,3 +43,17 @@ def test_progress_off_when_not_a_terminal() -> None:
         bar.advance(10)
         bar.close()
     assert err.getvalue() == ""
+
+
+def test_progress_on_a_terminal_shows_steps_and_transfer_bars() -> None:
+    err = io.StringIO()
+    out = Out(Console(file=io.StringIO()), Console(file=err, force_terminal=True, width=100), verbose=False)
+    with out.progress("working") as report:
+        report("pushing x")
+        bar = report.transfer("push x")
+        bar.add_total(2048)
+        bar.advance(1024)
+        out.stderr.file.flush()
+        bar.close()
+    text = err.getvalue()
+    assert "pushing x" in text or "push x" in text

@@ -118,3 +118,19 @@ def test_set_spec_netns_replaces_only_the_network_namespace() -> None:
     set_spec_netns(spec, "/var/run/netns/gpusnap-c")
     assert spec["linux"]["namespaces"] == [{"type": "pid"}, {"type": "mount"}, {"type": "network", "path": "/var/run/netns/gpusnap-c"}]
     assert set_spec_netns({}, "/x") == {"linux": {"namespaces": [{"type": "network", "path": "/x"}]}}
+
+
+def test_names_derive_from_the_settings_prefix() -> None:
+    from gpusnap.config import load_settings
+    from gpusnap.network import NetworkConfig, NetworkManager
+
+    assert NetworkConfig.from_prefix("gpusnap") == NetworkConfig(netns_prefix="gpusnap-", veth_prefix="gpusnapv", table="gpusnap")
+    assert NetworkConfig.from_prefix("gs-net") == NetworkConfig(netns_prefix="gs-net-", veth_prefix="gsnetv", table="gsnet")
+    with pytest.raises(UsageError, match="network prefix"):
+        NetworkConfig.from_prefix("bad prefix")
+    settings = load_settings(env={"GPUSNAP_BRIDGE": "gsnet3", "GPUSNAP_SUBNET": "10.233.30.0/24", "GPUSNAP_NET_PREFIX": "gs-net"})
+    nm = NetworkManager(settings)
+    assert nm.config.table == "gsnet" and nm.netns_name("c") == "gs-net-c"
+    assert len(nm.host_veth("a-very-long-container-name-" * 4)) == 15
+    req = nm.request(parse_publish_list(["5300:80"]), ip="10.233.30.9")
+    assert (req.bridge, req.subnet, req.ip, req.ports) == ("gsnet3", "10.233.30.0/24", "10.233.30.9", (PortMapping(5300, 80),))
