@@ -62,8 +62,10 @@ def test_unknown_engine_and_network(tmp_path: Path) -> None:
     eng = RuncDirectEngine(settings)
     with pytest.raises(UsageError, match="unknown network"):
         eng.run("gs-cli-n", ["sh"], network="host")
-    with pytest.raises(UsageError, match="--publish and --ip need --network bridge"):
+    with pytest.raises(UsageError, match="--publish needs --network bridge"):
         eng.run("gs-cli-n", ["sh"], publish=["8080:80"])
+    with pytest.raises(UsageError, match="--ip needs --network bridge"):
+        eng.run("gs-cli-n", ["sh"], ip="10.210.0.9")
     with pytest.raises(NotFoundError, match="not a directory"):
         eng.run("gs-cli-n", ["sh"], rootfs=str(tmp_path / "nope"))
     assert eng.list() == []
