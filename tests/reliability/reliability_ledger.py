@@ -69,7 +69,7 @@ def summary_once(config: pytest.Config, terminalreporter: object) -> None:
     if config.stash.get(key, False):
         return
     config.stash[key] = True
-    from report import render  # same directory, on sys.path through the conftests
+    from report import render, render_details  # same directory, on sys.path through the conftests
 
     ledger = Ledger(ledger_path(config.rootpath))
     entries = ledger.entries()
@@ -77,7 +77,7 @@ def summary_once(config: pytest.Config, terminalreporter: object) -> None:
         return
     table = render(entries)
     out = ledger.path.with_name("report.md")
-    out.write_text(table + "\n")
+    out.write_text(table + "\n\n" + render_details(entries) + "\n")
     terminalreporter.write_sep("=", "gpusnap reliability table")  # type: ignore[attr-defined]
     terminalreporter.write_line(table)  # type: ignore[attr-defined]
     terminalreporter.write_line(f"(written to {out})")  # type: ignore[attr-defined]

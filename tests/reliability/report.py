@@ -1,6 +1,6 @@
 """Print the reliability table from the ledger the suite wrote in its last run.
 
-    python tests/reliability/report.py [build/reliability/ledger.jsonl]
+    python tests/reliability/report.py [--details] [build/reliability/ledger.jsonl]
 
 Every number comes from the ledger (tests/reliability/ledger.py); nothing here is typed in by
 hand. A category with nothing recorded prints "not run" rather than a zero that looks like a pass.
@@ -44,7 +44,10 @@ def render(entries: list[Entry]) -> str:
         if category in ("bad-input", "crypto"):
             refused = sum(e.refused for g in groups.values() for e in g)
             figure = f"{tried} tried, {refused} refused"
-            detail = ", ".join(f"{name} {sum(e.tried for e in g)}" for name, g in sorted(groups.items()))
+            families: dict[str, int] = defaultdict(int)
+            for name, g in groups.items():
+                families[name.split(":", 1)[0]] += sum(e.tried for e in g)
+            detail = ", ".join(f"{fam} {n}" for fam, n in sorted(families.items()))
         else:
             held = sum(e.passed for g in groups.values() for e in g)
             figure = f"{tried} run, {held} held"
@@ -58,13 +61,29 @@ def render(entries: list[Entry]) -> str:
     return "\n".join(lines)
 
 
+def render_details(entries: list[Entry]) -> str:
+    """Every recorded kind, one row each: what the summary table adds up."""
+    rows = ["| Category | Kind | Tried | Refused / held | Lost |", "|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[Entry]] = defaultdict(list)
+    for e in entries:
+        groups[(e.category, e.name)].append(e)
+    for (cat, name), g in sorted(groups.items()):
+        ok = sum(e.refused if cat in ("bad-input", "crypto") else e.passed for e in g)
+        rows.append(f"| {cat} | {name} | {sum(e.tried for e in g)} | {ok} | {sum(e.lost for e in g)} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str]) -> int:
-    path = Path(argv[1]) if len(argv) > 1 else ledger_path(Path(__file__).resolve().parents[2])
+    args = [a for a in argv[1:] if not a.startswith("--")]
+    path = Path(args[0]) if args else ledger_path(Path(__file__).resolve().parents[2])
     entries = Ledger(path).entries()
     if not entries:
         print(f"no ledger at {path}: run the suite first (bash tests/run.sh)", file=sys.stderr)
         return 1
     print(render(entries))
+    if "--details" in argv:
+        print()
+        print(render_details(entries))
     return 0
 
 

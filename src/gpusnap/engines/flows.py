@@ -298,7 +298,7 @@ def restore(
                 raise NotFoundError(f"{source} is neither a file nor a reference like host/repo:tag; check the path or reference")
             api = packaging_api()
             ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
-            info = api.inspect(settings.store_dir, ref)
+            info = api.inspect(settings.store_dir, ref, **keys)
             form = _artifact_form(info)
             meta = _artifact_metadata(info)
             require_compatible(meta, facts, what=source)

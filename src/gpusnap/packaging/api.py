@@ -244,9 +244,18 @@ def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descr
     )
 
 
-def inspect(store_dir: Path, ref: str) -> ArtifactInfo:
+def inspect(store_dir: Path, ref: str, *, decryption: DecryptionKeys | None = None) -> ArtifactInfo:
+    """What the artifact ``ref`` holds. An encrypted one shows its full config only with
+    ``decryption``; without it, what its manifest annotations say (form, engine, host)."""
     store = OciStore(Path(store_dir))
     desc = store.resolve(ref)
+    manifest = store.manifest(desc.digest)
+    from gpusnap.packaging import encrypted
+
+    if encrypted.is_encrypted_manifest(manifest):
+        config = encrypted.decrypt_config(store, manifest, decryption) if decryption else encrypted.config_from_annotations(manifest)
+        layers = [Descriptor.from_dict(x) for x in manifest.get("layers", [])]
+        return _info_from(ref, desc.digest, config, layers, manifest.get("annotations", {}))
     art = fmt.load(store, desc.digest)
     return _info_from(ref, desc.digest, art.config, art.layers, art.manifest.get("annotations", {}))
 

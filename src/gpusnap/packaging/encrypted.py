@@ -2,8 +2,10 @@
 
 An encrypted artifact is the plaintext artifact with each layer descriptor replaced by its
 encrypted blob (media type ``+encrypted``, the wrapped-key annotations of ocicrypt's naming).
-The config blob stays readable, as in ocicrypt: ``inspect`` and the restore host checks need it,
-and it holds metadata (names, sizes, GPU models), never process memory or files.
+Unlike ocicrypt's images, the config blob is sealed too: gpusnap's config carries the
+container's command line, environment-derived metadata and file names, which can hold secrets.
+What stays readable is the manifest's annotations (form, engine, arch, kernel, CRIU version,
+container and image names): enough for ``gpusnap ls`` and for a pull to decide what it needs.
 
 The manifest records the plaintext manifest's digest; decryption rebuilds the plaintext manifest
 and must arrive at exactly that digest, which binds every decrypted layer to the original.
@@ -45,18 +47,18 @@ def encrypt_manifest(store: OciStore, digest: str, config: crypto.EncryptionConf
         raise UsageError(f"{digest} is already encrypted; encrypt the plaintext checkpoint instead")
     if "subject" in manifest:
         raise UsageError("encrypting an artifact that already has a subject is not supported; encrypt before attaching it")
-    layers = []
-    for raw in manifest.get("layers", []):
-        d = Descriptor.from_dict(raw)
+    def seal(d: Descriptor) -> dict[str, Any]:
         with store.open_blob(d.digest) as src, store.writer() as w:
             enc_digest, enc_size, blob_key = crypto.encrypt_stream(
                 src, w, plaintext_digest=d.digest, plaintext_size=d.size, config=config  # type: ignore[arg-type]
             )
             w.commit(enc_digest, enc_size)
         ann = {**d.annotations, **crypto.encryption_annotations(config, blob_key)}
-        layers.append(Descriptor(crypto.encrypted_media_type(d.media_type), enc_digest, enc_size, ann, d.artifact_type).to_dict())
+        return Descriptor(crypto.encrypted_media_type(d.media_type), enc_digest, enc_size, ann, d.artifact_type).to_dict()
+
     out = dict(manifest)
-    out["layers"] = layers
+    out["config"] = seal(Descriptor.from_dict(manifest["config"]))
+    out["layers"] = [seal(Descriptor.from_dict(raw)) for raw in manifest.get("layers", [])]
     out["annotations"] = {**(manifest.get("annotations") or {}), A_PLAINTEXT_MANIFEST: digest}
     data = json.dumps(out, separators=(",", ":")).encode()
     return store.put_bytes(data), len(data)
@@ -88,19 +90,19 @@ def decrypt_into(src: OciStore, digest: str, dest: OciStore, keys: crypto.Decryp
     manifest = src.manifest(digest)
     check_keys_fit(manifest, keys)
     expected = (manifest.get("annotations") or {}).get(A_PLAINTEXT_MANIFEST)
-    layers = []
-    for raw in manifest.get("layers", []):
+
+    def unseal(raw: dict[str, Any]) -> dict[str, Any]:
         d = Descriptor.from_dict(raw)
         if not crypto.is_encrypted(d.media_type):
-            raise IntegrityError(f"layer {d.digest} of an encrypted checkpoint is not encrypted; the manifest was altered")
+            raise IntegrityError(f"blob {d.digest} of an encrypted checkpoint is not encrypted; the manifest was altered")
         with src.open_blob(d.digest) as fin, dest.writer() as w:
             plain_digest, plain_size = crypto.decrypt_stream(fin, w, annotations=d.annotations, keys=keys)  # type: ignore[arg-type]
             w.commit(plain_digest, plain_size)
-        layers.append(Descriptor(crypto.decrypted_media_type(d.media_type), plain_digest, plain_size, _strip_enc(d.annotations), d.artifact_type).to_dict())
-    cfg = Descriptor.from_dict(manifest["config"])
-    dest.put_bytes(src.read_bytes(cfg.digest), cfg.digest)
+        return Descriptor(crypto.decrypted_media_type(d.media_type), plain_digest, plain_size, _strip_enc(d.annotations), d.artifact_type).to_dict()
+
     out = dict(manifest)
-    out["layers"] = layers
+    out["config"] = unseal(manifest["config"])
+    out["layers"] = [unseal(raw) for raw in manifest.get("layers", [])]
     ann = {k: v for k, v in (manifest.get("annotations") or {}).items() if k != A_PLAINTEXT_MANIFEST}
     if ann:
         out["annotations"] = ann
@@ -111,6 +113,42 @@ def decrypt_into(src: OciStore, digest: str, dest: OciStore, keys: crypto.Decryp
     if expected and got != expected:
         raise IntegrityError(f"decrypted checkpoint is {got}, expected {expected}; the encrypted manifest was altered")
     return dest.put_bytes(data, got)
+
+
+def decrypt_config(store: OciStore, manifest: dict[str, Any], keys: crypto.DecryptionKeys) -> dict[str, Any]:
+    """The plaintext config of an encrypted artifact, in memory (configs are small)."""
+    check_keys_fit(manifest, keys)
+    d = Descriptor.from_dict(manifest["config"])
+    if d.size > 64 << 20:
+        raise IntegrityError(f"encrypted config {d.digest} is {d.size} bytes; that is not a checkpoint config")
+    import io
+
+    out = io.BytesIO()
+    with store.open_blob(d.digest) as fin:
+        crypto.decrypt_stream(fin, out, annotations=d.annotations, keys=keys)  # type: ignore[arg-type]
+    try:
+        config = json.loads(out.getvalue())
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise IntegrityError(f"decrypted config {d.digest} is not a JSON object; the artifact is corrupt")
+    return config
+
+
+def config_from_annotations(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What an encrypted artifact shows without a key: its manifest annotations."""
+    a = manifest.get("annotations") or {}
+    return {
+        "form": a.get("io.gpusnap.checkpoint.form", ""),
+        "created": a.get("org.opencontainers.image.created", ""),
+        "engine": {"name": a.get("org.criu.checkpoint.engine.name", ""), "version": a.get("org.criu.checkpoint.engine.version", "")},
+        "container": {"name": a.get("org.criu.checkpoint.container.name", "")},
+        "image": {"name": a.get("org.criu.checkpoint.rootfsImageName", "")},
+        "criuVersion": a.get("org.criu.checkpoint.criu.version", ""),
+        "kernel": a.get("org.criu.checkpoint.host.kernel", ""),
+        "arch": a.get("org.criu.checkpoint.host.arch", ""),
+        "encrypted": True,
+    }
 
 
 def encrypt_tag(store: OciStore, ref: str, config: crypto.EncryptionConfig, *, new_ref: str | None = None) -> str:

@@ -47,8 +47,11 @@ def test_every_layer_sealed_and_round_trip(tmp_path: Path, key: crypto.Encryptio
     assert (out / "pages-1.img").read_bytes() == pages
     assert (out / "inventory.img").read_bytes() == b"inventory"
     assert not list(tmp_path.glob(".gpusnap-decrypt-*"))  # the private plaintext store is gone
-    info = api.inspect(store_dir, "gs-rel-enc:1")  # config stays readable without a key
-    assert info.form == "criu-dir"
+    assert m["config"]["mediaType"].endswith("+encrypted"), "the config holds command lines: sealed too"
+    info = api.inspect(store_dir, "gs-rel-enc:1")  # without a key: what the annotations say
+    assert info.form == "criu-dir" and info.sizes == {}
+    full = api.inspect(store_dir, "gs-rel-enc:1", decryption=crypto.DecryptionKeys(masters=(key.master,)))
+    assert full.form == "criu-dir" and full.sizes["pages"] == len(pages)
 
 
 def test_wrong_or_missing_key_writes_nothing(tmp_path: Path, key: crypto.EncryptionConfig) -> None:
