@@ -371,7 +371,7 @@ def encrypt_stream(
     while True:
         chunk = _read_full(src, min(seg, remaining))
         if len(chunk) != min(seg, remaining):
-            raise IntegrityError(f"blob {plaintext_digest} is shorter than its recorded size {plaintext_size}; run gpusnap store verify")
+            raise IntegrityError(f"blob {plaintext_digest} is shorter than its recorded size {plaintext_size}; run `gpusnap verify`")
         remaining -= len(chunk)
         check.update(chunk)
         last = remaining == 0
@@ -383,9 +383,9 @@ def encrypt_stream(
         if last:
             break
     if src.read(1):
-        raise IntegrityError(f"blob {plaintext_digest} is longer than its recorded size {plaintext_size}; run gpusnap store verify")
+        raise IntegrityError(f"blob {plaintext_digest} is longer than its recorded size {plaintext_size}; run `gpusnap verify`")
     if f"sha256:{check.hexdigest()}" != plaintext_digest:
-        raise IntegrityError(f"blob {plaintext_digest} does not match its digest; run gpusnap store verify")
+        raise IntegrityError(f"blob {plaintext_digest} does not match its digest; run `gpusnap verify`")
     return f"sha256:{out_hash.hexdigest()}", written, blob_key
 
 

@@ -1,4 +1,4 @@
-"""Full consistency check of the local store (``gpusnap store verify``; fsck for checkpoints).
+"""Full consistency check of the local store (``gpusnap verify``; fsck for checkpoints).
 
 Re-hashes every blob, walks every tag down to its layers and reports what is corrupt, what a tag
 needs but is missing, and debris a crash left in ``ingest/``. It changes nothing: repair is
