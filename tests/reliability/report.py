@@ -51,8 +51,9 @@ def render(entries: list[Entry]) -> str:
         else:
             held = sum(e.passed for g in groups.values() for e in g)
             figure = f"{tried} run, {held} held"
+            with_detail = category == "load"  # load's detail is its figures (time, memory)
             detail = ", ".join(
-                f"{name}" + (f" ({g[-1].detail})" if g[-1].detail else "") + (f" ×{len(g)}" if len(g) > 1 else "")
+                f"{name}" + (f" ({g[-1].detail})" if with_detail and g[-1].detail else "") + (f" ×{len(g)}" if len(g) > 1 else "")
                 for name, g in sorted(groups.items())
             )
         lines.append(f"| {title} | {figure} | {detail} |")
@@ -63,13 +64,14 @@ def render(entries: list[Entry]) -> str:
 
 def render_details(entries: list[Entry]) -> str:
     """Every recorded kind, one row each: what the summary table adds up."""
-    rows = ["| Category | Kind | Tried | Refused / held | Lost |", "|---|---|---|---|---|"]
+    rows = ["| Category | Kind | Tried | Refused / held | Lost | Detail |", "|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str], list[Entry]] = defaultdict(list)
     for e in entries:
         groups[(e.category, e.name)].append(e)
     for (cat, name), g in sorted(groups.items()):
         ok = sum(e.refused if cat in ("bad-input", "crypto") else e.passed for e in g)
-        rows.append(f"| {cat} | {name} | {sum(e.tried for e in g)} | {ok} | {sum(e.lost for e in g)} |")
+        details = "; ".join(sorted({e.detail for e in g if e.detail}))
+        rows.append(f"| {cat} | {name} | {sum(e.tried for e in g)} | {ok} | {sum(e.lost for e in g)} | {details} |")
     return "\n".join(rows)
 
 

@@ -36,8 +36,35 @@ def registry(tmp_path: Path):  # type: ignore[no-untyped-def]
     reg.kill()
 
 
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+class PeakRss:
+    """Samples this process's resident memory while a block runs (ru_maxrss is a lifetime peak,
+    useless after earlier tests in the same process)."""
+
+    def __init__(self) -> None:
+        self.base = self.now()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> float:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / (1 << 20)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def grew(self) -> float:
+        return self.peak - self.base
 
 
 def _pages_digest(out: Path) -> str:
@@ -57,9 +84,8 @@ def test_100_parallel_pushes_to_one_registry(tmp_path: Path, registry: Registry,
         (src / "inventory.img").write_bytes(b"inv %d" % i)
         api.store_checkpoint(store, src, form="criu-dir", ref=f"gs-rel/p:{i}")
         want[f"{registry.host}/gs-rel/load:{i}"] = hashlib.sha256(pages).hexdigest()
-    rss0 = _rss_mib()
     t0 = time.monotonic()
-    with ThreadPoolExecutor(n) as pool:
+    with PeakRss() as rss, ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(api.push, store, f"gs-rel/p:{i}", f"{registry.host}/gs-rel/load:{i}", insecure=True) for i in range(n)]
         results = [f.result(timeout=600) for f in futures]  # a deadlock fails here, not hangs
     push_s = time.monotonic() - t0
@@ -72,9 +98,9 @@ def test_100_parallel_pushes_to_one_registry(tmp_path: Path, registry: Registry,
     for ref in refs:
         out = api.materialize_checkpoint(fresh, ref, tmp_path / "out" / ref.rsplit(":", 1)[1], form="criu-dir")
         lost += int(_pages_digest(out) != want[ref])
-    grew = _rss_mib() - rss0
+    grew = rss.grew
     ledger.record("load", "100 parallel pushes to one registry", passed=int(lost == 0 and grew < 1024), lost=lost,
-                  detail=f"{push_s:.1f} s, peak RSS +{grew:.0f} MiB")
+                  detail=f"{push_s:.1f} s, RSS +{grew:.0f} MiB peak")
     assert lost == 0
     assert grew < 1024, f"memory grew by {grew:.0f} MiB pushing 100 small checkpoints"
 
@@ -167,3 +193,23 @@ def test_10_containers_checkpointed_and_pushed_at_once(tmp_path: Path, registry:
     finally:
         for c in containers:
             c.cleanup()
+
+
+def test_encrypting_a_large_layer_streams_in_bounded_memory(tmp_path: Path, ledger) -> None:  # type: ignore[no-untyped-def]
+    from gpusnap.packaging import crypto
+
+    size = 256 << 20
+    src = tmp_path / "layer"
+    with src.open("wb") as f:
+        for i in range(size >> 20):
+            f.write(random.Random(i).randbytes(1 << 20))
+    key = crypto.EncryptionConfig(master=crypto.MasterKey(os.urandom(32)))
+    with PeakRss() as rss:
+        enc = crypto.encrypt_file(src, tmp_path / "enc", media_type="application/x", config=key)
+        digest, n = crypto.decrypt_file(tmp_path / "enc", tmp_path / "dec", annotations=enc.annotations,
+                                        keys=crypto.DecryptionKeys(masters=(key.master,)))
+    lost = int(digest != enc.plaintext_digest or n != size)
+    held = lost == 0 and rss.grew < 64
+    ledger.record("load", "encrypt + decrypt a 256 MiB layer", passed=int(held), lost=lost, detail=f"RSS +{rss.grew:.0f} MiB peak")
+    assert lost == 0
+    assert rss.grew < 64, f"encryption is supposed to stream; memory grew by {rss.grew:.0f} MiB"
