@@ -10,7 +10,9 @@ reports it properly.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 DEFAULT_CONFIG_FILE = "/etc/gpusnap/config.toml"
 DEFAULT_RUN_DIR = "/run/gpusnap"

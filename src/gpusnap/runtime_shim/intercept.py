@@ -53,8 +53,8 @@ def spec_steps(inv: Invocation, settings: Settings, cwd: Path) -> list[Step]:
 
 def create_or_run(inv: Invocation, runc: str, env: Mapping[str, str], settings: Settings) -> int:
     steps = spec_steps(inv, settings, Path.cwd())
-    run_steps(steps)
-    exec_runc(runc, inv.argv)
+    # exec either never returns or raises: as the last step, its failure undoes the edits.
+    run_steps([*steps, Step("exec runc", lambda: exec_runc(runc, inv.argv))])
     return 0  # not reached: exec replaced this process
 
 
@@ -99,7 +99,11 @@ def dispatch(inv: Invocation, runc: str, env: Mapping[str, str]) -> int:
     if command in ("create", "run", "restore") and not config_path(cwd / (inv.value("bundle") or ".")).is_file():
         exec_runc(runc, inv.argv)  # no bundle to modify: runc says what is missing, in its words
     if command in ("create", "run"):
-        return create_or_run(inv, runc, env, settings)
+        try:
+            return create_or_run(inv, runc, env, settings)
+        except StepFailed as exc:
+            report(inv, str(exc))
+            return int(exc.exit_code)
     from gpusnap.checkpoint.flows import RuncCall, checkpoint, failure_exit_code, restore
 
     call = RuncCall(runc=runc, inv=inv, env=env, cwd=cwd)

@@ -73,7 +73,7 @@ def test_passthrough_imports_only_the_standard_library(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": str(tmp_path), "GPUSNAP_CONFIG": str(tmp_path / "none.toml")}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True).stdout.split()
     assert "gpusnap.runtime_shim.main" in out
-    for heavy in ("jsonschema", "typer", "rich", "docker", "dataclasses", "gpusnap.config", "gpusnap.errors", "subprocess", "shutil"):
+    for heavy in ("jsonschema", "typer", "rich", "docker", "dataclasses", "gpusnap.config", "gpusnap.errors", "subprocess", "shutil", "signal", "enum", "typing", "re"):
         assert heavy not in out
 
 
@@ -93,3 +93,35 @@ def test_features_fallback_when_runc_lacks_it(tmp_path: Path) -> None:
     _exe(tmp_path / "runc", "#!/bin/sh\necho 'permission denied' >&2\nexit 9\n")
     proc = subprocess.run([sys.executable, "-m", "gpusnap.runtime_shim.main", "features"], capture_output=True, text=True, env=env, check=False)
     assert (proc.returncode, proc.stdout, proc.stderr) == (9, "", "permission denied\n")
+
+
+def test_create_undoes_its_edits_when_runc_cannot_start(tmp_path: Path) -> None:
+    """exec of runc failing (a broken runc) leaves config.json and the run dir as they were."""
+    import json
+    import subprocess
+    import sys
+
+    _exe(tmp_path / "bin" / "runc", "#!/nonexistent/interpreter\n")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    config = bundle / "config.json"
+    config.write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "process": {"cwd": "/", "args": ["true"]}}))
+    before = config.read_bytes()
+    env = {**os.environ, "PATH": str(tmp_path / "bin"), "GPUSNAP_CONFIG": str(tmp_path / "none.toml"), "GPUSNAP_RUN_DIR": str(tmp_path / "run")}
+    proc = subprocess.run([sys.executable, "-m", "gpusnap.runtime_shim.main", "create", "--bundle", str(bundle), "c1"], capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("gpusnap-runtime: exec runc failed:") and "rolled back" in proc.stderr
+    assert config.read_bytes() == before
+    assert list((tmp_path / "run").rglob("*.conf")) == []
+
+
+def test_runc_starts_with_default_signal_dispositions(tmp_path: Path) -> None:
+    """Python ignores SIGPIPE/SIGXFSZ; runc exec'd by the shim must not inherit that."""
+    import subprocess
+    import sys
+
+    runc = _exe(tmp_path / "runc", "#!/bin/sh\nPATH=/usr/bin:/bin grep SigIgn /proc/$$/status\n")
+    env = {**os.environ, "PATH": str(tmp_path), "GPUSNAP_CONFIG": str(tmp_path / "none.toml")}
+    direct = subprocess.run([str(runc)], capture_output=True, text=True, env=env, check=True).stdout
+    via_shim = subprocess.run([sys.executable, "-m", "gpusnap.runtime_shim.main", "list"], capture_output=True, text=True, env=env, check=True).stdout
+    assert via_shim == direct
