@@ -17,12 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusnap.config import Settings
+from gpusnap.config import HostPaths, Settings
 from gpusnap.errors import IncompatibleHostError, MissingDependencyError, RestoreError, UsageError
 from gpusnap.gpu.base import ContainerRef, GpuBackend, GpuPlan, NoGpuPlan, ProcessGpuState
 from gpusnap.gpu.group import GpuGroup
 from gpusnap.gpu.hostcheck import check_host
 from gpusnap.gpu.procs import container_pids, host_pid_by_ns_pid
+from gpusnap.gpu.unsupported import uses_nvidia_devices
 from gpusnap.metadata import CheckpointMetadata, GpuProcess
 from gpusnap.steps import Step
 
@@ -184,8 +185,20 @@ class CudaPlan:
 class NoDriverPlan(NoGpuPlan):
     """``auto`` on a host without a usable GPU driver: no GPU work, but refuse GPU checkpoints."""
 
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, host: HostPaths | None = None) -> None:
         self.why = why
+        self.host = host or HostPaths()
+
+    def before_dump(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata) -> list[Step]:
+        def refuse_gpu_users() -> None:
+            # Without the driver API the GPU state cannot be saved; CRIU would fail later on the
+            # open /dev/nvidia* files with a less helpful message.
+            pids = ref.cgroup_procs or (container_pids(self.host, ref.init_pid) if ref.init_pid > 0 else [])
+            users = [p for p in pids if uses_nvidia_devices(self.host.proc, p)]
+            if users:
+                raise MissingDependencyError(f"host PID(s) {', '.join(map(str, users))} of the container use an NVIDIA GPU but {self.why}")
+
+        return [Step("gpu: check for GPU processes", refuse_gpu_users)]
 
     def before_restore(self, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
         if meta is None or not meta.processes:
@@ -220,7 +233,7 @@ def make_gpu_plan(settings: Settings) -> GpuPlan:
         try:
             backend._driver()  # type: ignore[attr-defined]
         except MissingDependencyError as exc:
-            return NoDriverPlan(str(exc))
+            return NoDriverPlan(str(exc), settings.host)
     elif spec == "nvidia":
         backend._driver()  # type: ignore[attr-defined]  # refuse now, with the reason
     return CudaPlan(backend, settings)

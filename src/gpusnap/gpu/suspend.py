@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpusnap.config import Settings
-from gpusnap.errors import GpusnapError, MissingDependencyError, NotFoundError, UsageError
+from gpusnap.errors import CheckpointError, GpusnapError, MissingDependencyError, NotFoundError, UsageError
 from gpusnap.gpu.base import GpuBackend, ProcessGpuState
 from gpusnap.gpu.group import GpuGroup
 from gpusnap.gpu.plan import make_backend
@@ -61,7 +61,10 @@ def suspend(container_id: str, settings: Settings, *, root: str | None = None, b
     backend = backend or make_backend(settings)
     init_pid = _running_init(container_id, settings, root)
     t0 = time.perf_counter()
-    group = GpuGroup.of_container(backend, settings.host, init_pid)
+    try:
+        group = GpuGroup.of_container(backend, settings.host, init_pid)
+    except CheckpointError as exc:  # already suspended, or another checkpoint holds it
+        raise UsageError(f"container {container_id!r} cannot be suspended now: {exc}") from None
     if not group.procs:
         raise UsageError(f"container {container_id!r} has no GPU processes; nothing to suspend")
     memory = sum(p.gpu_memory_bytes for p in group.procs)

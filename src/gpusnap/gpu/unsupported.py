@@ -53,6 +53,22 @@ def open_gpu_nodes(proc: Path, pid: int) -> set[str]:
     return out
 
 
+def uses_nvidia_devices(proc: Path, pid: int) -> bool:
+    """True when the process has an NVIDIA device node open (a CUDA process, whatever its state)."""
+    fd_dir = proc / str(pid) / "fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(fd_dir / name).startswith("/dev/nvidia"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def managed_memory_reason(proc: Path, pid: int) -> str | None:
     maps = uvm_mappings(proc, pid)
     gpus = max(1, len(open_gpu_nodes(proc, pid)))

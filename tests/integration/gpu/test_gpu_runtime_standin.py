@@ -159,3 +159,31 @@ def test_suspend_resume(stack, backend, ref, containers, tmp_path):
     at = c.last_step()
     c.wait_step(at + 50)
     assert_matches(c.lines(), ref, after=at)
+
+
+def test_suspend_resume_commands(stack, backend, containers, tmp_path, monkeypatch):
+    """`gpusnap suspend/resume` as the CLI registers them (gpusnap.cli.suspend.register)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from gpusnap.cli.suspend import register
+
+    app = typer.Typer()
+    register(app)
+    c = Container(stack)
+    containers.append(c)
+    c.start()
+    for k, v in stack.gpusnap_env().items():
+        monkeypatch.setenv(k, v)
+    runner = CliRunner()
+    res = runner.invoke(app, ["suspend", c.id, "--root", str(c.root)])
+    assert res.exit_code == 0, res.output
+    assert f"suspended {c.id}: 1 GPU process(es)" in res.output
+    assert states(c, backend) == [C]
+    res = runner.invoke(app, ["suspend", c.id, "--root", str(c.root)])
+    assert res.exit_code == 2 and "gpusnap resume" in res.output and len(res.output.strip().splitlines()) == 1
+    res = runner.invoke(app, ["resume", c.id, "--root", str(c.root)])
+    assert res.exit_code == 0, res.output
+    assert states(c, backend) == [R]
+    res = runner.invoke(app, ["resume", "gs-gpu-no-such", "--root", str(c.root)])
+    assert res.exit_code == 3 and "not found" in res.output

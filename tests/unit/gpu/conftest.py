@@ -49,6 +49,8 @@ class FakeContainer:
         """A real PID namespace (``unshare -pf``) whose init is a shell with one plain and
         ``n_cuda`` stand-in CUDA children; returns the host PID of its init. The same ``tokens``
         give the same processes at the same PIDs inside, as a CRIU restore does."""
+        if os.geteuid() != 0:
+            pytest.skip("a PID namespace (unshare --pid) needs root; CI runs tests/run.sh as root")
         tokens = tokens or [f"gs-gpu-{uuid.uuid4().hex[:10]}" for _ in range(n_cuda)]
         self.tokens.extend(t for t in tokens if t not in self.tokens)
         extra = " ".join(f"{k}={v}" for k, v in env.items())

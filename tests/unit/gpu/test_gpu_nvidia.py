@@ -52,3 +52,22 @@ def test_uuid_bytes():
     assert uuid_bytes("GPU-b44ed0df-bdc9-cc37-d890-d6941ad47c31").hex() == "b44ed0dfbdc9cc37d890d6941ad47c31"
     with pytest.raises(ValueError):
         uuid_bytes("GPU-1234")
+
+
+def test_auto_without_driver_refuses_a_container_that_uses_the_gpu(tmp_path):
+    import os
+    from pathlib import Path
+
+    from gpusnap.config import HostPaths
+    from gpusnap.gpu.base import ContainerRef
+
+    for pid, node in ((100, "/dev/nvidia0"), (101, "/dev/null")):
+        (tmp_path / "proc" / str(pid) / "fd").mkdir(parents=True)
+        os.symlink(node, tmp_path / "proc" / str(pid) / "fd" / "5")
+    plan = make_gpu_plan(Settings(gpu_backend="auto", host=HostPaths(tmp_path)))
+    ref = ContainerRef("c", 100, Path("/b"), cgroup_procs=[100, 101])
+    with pytest.raises(StepFailed) as info:
+        run_steps(plan.before_dump(ref, tmp_path, CheckpointMetadata(container_id="c", created="now")))
+    assert info.value.exit_code == ExitCode.MISSING_DEPENDENCY and "host PID(s) 100 " in str(info.value)
+    ref.cgroup_procs = [101]
+    assert [r.name for r in run_steps(plan.before_dump(ref, tmp_path, CheckpointMetadata(container_id="c", created="now")))] == ["gpu: check for GPU processes"]
