@@ -9,7 +9,7 @@
 3. For each tool, against a fresh local registry (empty storage, so nothing is skipped):
    gpusnap push / pull (the chunked artifact), skopeo copy of an OCI layout holding the same
    checkpoint as one uncompressed tar layer, oras push / pull of the checkpoint's files.
-   Each runs as its own process; peak RSS is that process's ru_maxrss (os.wait4).
+   Each runs as its own process; peak RSS is that process's VmHWM (sampled until it exits).
 Targets (issue 5): gpusnap at least as fast as the fastest peer, peak RSS < 256 MiB.
 """
 
@@ -43,17 +43,36 @@ def sh(*args: str, **kw: object) -> subprocess.CompletedProcess:
     return subprocess.run(list(args), check=True, capture_output=True, text=True, **kw)  # type: ignore[call-overload]
 
 
+def _hwm(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
 def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """(seconds, peak RSS bytes) of one process."""
+    """(seconds, peak RSS bytes) of one process.
+
+    Peak RSS is the process's own VmHWM, sampled every 20 ms until it exits (VmHWM only grows).
+    Not ru_maxrss: a child started with vfork+exec inherits the parent's high-water mark there,
+    which made every peer tool report this script's own RSS.
+    """
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
+    err_file = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=env)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _hwm(proc.pid))
+        time.sleep(0.02)
     secs = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        err_file.seek(0)
+        err = err_file.read().decode(errors="replace")
         raise RuntimeError(f"{' '.join(cmd)} failed: {err[-2000:]}")
-    return secs, usage.ru_maxrss * 1024
+    return secs, peak
 
 
 class Registry:
@@ -166,6 +185,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=5140)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; tools alternate within a round, the median is reported")
     args = ap.parse_args()
     py = sys.executable
     work = Path(tempfile.mkdtemp(prefix="gs-pkg-bench-", dir=args.workdir))
@@ -186,33 +206,46 @@ def main() -> int:
         env = dict(os.environ, HOME=str(work / "home"))
         (work / "home").mkdir()
 
-        def run_pair(tool: str, push: list[str], pull: list[str], reg_dir: Path, before_pull: object = None) -> None:
-            with Registry(reg_dir, port) as reg:
-                p_s, p_rss = measure([a.replace("{HOST}", reg.host) for a in push], env)
-                q_s, q_rss = measure([a.replace("{HOST}", reg.host) for a in pull], env)
-            rows.append({"tool": f"{tool} push", "seconds": p_s, "rss": p_rss})
-            rows.append({"tool": f"{tool} pull", "seconds": q_s, "rss": q_rss})
+        samples: dict[str, list[tuple[float, int]]] = {}
+
+        def run_pair(tool: str, push: list[str], pull: list[str], reg_dir: Path, pulled_dir: Path) -> None:
+            shutil.rmtree(pulled_dir, ignore_errors=True)
+            pulled_dir.mkdir(parents=True)
+            with Registry(reg_dir, port) as reg:  # empty storage every time: nothing can be skipped
+                p = measure([a.replace("{HOST}", reg.host) for a in push], env)
+                q = measure([a.replace("{HOST}", reg.host) for a in pull], env)
+            samples.setdefault(f"{tool} push", []).append(p)
+            samples.setdefault(f"{tool} pull", []).append(q)
+            shutil.rmtree(pulled_dir, ignore_errors=True)
 
         pulled = work / "pulled"
-        run_pair("gpusnap",
-                 [py, "-c", f"from gpusnap.packaging import api; api.push({str(store)!r}, 'bench', '{{HOST}}/gs-pkg/bench:v1', insecure=True)"],
-                 [py, "-c", f"from gpusnap.packaging import api; api.pull({str(pulled / 'gs')!r}, '{{HOST}}/gs-pkg/bench:v1', insecure=True)"],
-                 work / "reg1")
-        run_pair("skopeo copy",
-                 ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:bench:latest", "docker://{HOST}/gs-pkg/bench:v1"],
-                 ["skopeo", "copy", "--quiet", "--src-tls-verify=false", "docker://{HOST}/gs-pkg/bench:v1", f"oci:{pulled / 'skopeo'}:bench:latest"],
-                 work / "reg2")
         files = sorted(str(p.relative_to(image)) for p in image.iterdir() if p.is_file())
-        (pulled / "oras").mkdir(parents=True)
-        run_pair("oras",
-                 ["sh", "-c", f"cd {image} && exec oras push --plain-http --no-tty {{HOST}}/gs-pkg/bench:v1 {' '.join(files)}"],
-                 ["oras", "pull", "--plain-http", "--no-tty", "-o", str(pulled / "oras"), "{HOST}/gs-pkg/bench:v1"],
-                 work / "reg3")
+        pairs = [
+            ("gpusnap",
+             [py, "-c", f"from gpusnap.packaging import api; api.push({str(store)!r}, 'bench', '{{HOST}}/gs-pkg/bench:v1', insecure=True)"],
+             [py, "-c", f"from gpusnap.packaging import api; api.pull({str(pulled / 'gs')!r}, '{{HOST}}/gs-pkg/bench:v1', insecure=True)"],
+             pulled / "gs"),
+            ("skopeo copy",
+             ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:bench:latest", "docker://{HOST}/gs-pkg/bench:v1"],
+             ["skopeo", "copy", "--quiet", "--src-tls-verify=false", "docker://{HOST}/gs-pkg/bench:v1", f"oci:{pulled / 'skopeo'}:bench:latest"],
+             pulled / "skopeo"),
+            ("oras",
+             ["sh", "-c", f"cd {image} && exec oras push --plain-http --no-tty {{HOST}}/gs-pkg/bench:v1 {' '.join(files)}"],
+             ["oras", "pull", "--plain-http", "--no-tty", "-o", str(pulled / "oras"), "{HOST}/gs-pkg/bench:v1"],
+             pulled / "oras"),
+        ]
+        for _ in range(args.repeat):
+            for tool, push, pull, out in pairs:
+                run_pair(tool, push, pull, work / "reg", out)
+        for tool, vals in samples.items():
+            secs = sorted(v[0] for v in vals)
+            rows.append({"tool": tool, "seconds": secs[len(secs) // 2], "rss": max(v[1] for v in vals),
+                         "all_seconds": [round(v[0], 2) for v in vals]})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"checkpoint: {size / (1 << 30):.2f} GiB (runc checkpoint of a python3 holding {args.gib} GiB), "
-          f"{os.cpu_count()} cores\n")
+          f"{os.cpu_count()} cores, median of {args.repeat} rounds, peak RSS = max over rounds\n")
     print(f"| {'tool':<38} | {'seconds':>8} | {'MiB/s':>8} | {'peak RSS MiB':>12} |")
     print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|{'-' * 14}|")
     for r in rows:

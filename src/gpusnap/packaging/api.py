@@ -144,7 +144,7 @@ def store_checkpoint(
         store.tag(ref, Descriptor(MEDIA_OCI_MANIFEST, manifest_digest, manifest_size, artifact_type=fmt.ARTIFACT_TYPE))
     if encryption is not None:
         store.gc()  # the plaintext blobs are garbage now: only ciphertext stays at rest
-    total = built.manifest_size + sum(d.size for d in built.layers) + len(json.dumps(built.config))
+    total = built.manifest_size + built.config_size + sum(d.size for d in built.layers)
     return StoredCheckpoint(ref, manifest_digest, total, built.new_bytes, len(built.layers))
 
 

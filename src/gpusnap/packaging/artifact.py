@@ -202,6 +202,7 @@ class BuildResult:
     manifest_digest: str
     manifest_size: int
     config: dict[str, Any]
+    config_size: int
     layers: list[Descriptor]
     new_bytes: int  # bytes of blobs that were not in the store before
 
@@ -311,7 +312,7 @@ def build_artifact(
     }
     manifest_bytes = json.dumps(manifest, separators=(",", ":")).encode()
     digest = store.put_bytes(manifest_bytes)
-    return BuildResult(digest, len(manifest_bytes), config, layers, new_bytes)
+    return BuildResult(digest, len(manifest_bytes), config, len(config_bytes), layers, new_bytes)
 
 
 def criu_count(sink: _LayerSink) -> int:

@@ -120,8 +120,8 @@ def parse_pstree(data: bytes) -> list[ProcessEntry]:
     procs = []
     for raw in read_entries(data, PSTREE_MAGIC):
         f = decode_message(raw)
-        first = lambda n: int(f.get(n, [0])[0])  # noqa: E731
-        procs.append(ProcessEntry(first(1), first(2), first(3), first(4), _packed_or_plain(f.get(5, []))))
+        pid, ppid, pgid, sid = (int(f.get(n, [0])[0]) for n in (1, 2, 3, 4))
+        procs.append(ProcessEntry(pid, ppid, pgid, sid, _packed_or_plain(f.get(5, []))))
     return procs
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import requests
@@ -52,6 +52,7 @@ MANIFEST_ACCEPT = ", ".join([MEDIA_OCI_MANIFEST, MEDIA_OCI_INDEX, MEDIA_DOCKER_M
 MONOLITHIC_LIMIT = 32 << 20  # blobs up to this size go in one streamed PUT
 PATCH_SIZE = 64 << 20  # larger blobs go in PATCH requests of this size (resume granularity)
 READ_SIZE = 1 << 20
+SEND_SIZE = 4 << 20  # request bodies are read from disk in pieces of this size (8 workers: 32 MiB)
 MAX_MANIFEST = 16 << 20
 WORKERS = 8
 
@@ -349,7 +350,7 @@ class RegistryClient:
             sent = [0]
             try:
                 r = self.request("PATCH", url, scope=scope, retry=False, ok=(202,),
-                                 body=lambda: _file_iter(path, start, n, progress, sent),
+                                 body=lambda s=start, k=n, t=sent: _file_iter(path, s, k, progress, t),
                                  headers={"Content-Type": "application/octet-stream",
                                           "Content-Range": f"{start}-{start + n - 1}"})
                 r.close()
@@ -455,7 +456,7 @@ class _FileBody:
             f.seek(self._offset)
             left = self._length
             while left:
-                data = f.read(min(READ_SIZE, left))
+                data = f.read(min(SEND_SIZE, left))
                 if not data:
                     raise IntegrityError(f"{self._path} is shorter than expected; the store is corrupt")
                 left -= len(data)

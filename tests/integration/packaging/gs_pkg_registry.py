@@ -38,6 +38,7 @@ class Registry:
     port: int = 0
     user: str | None = None
     password: str | None = None
+    auth_yaml: str = ""  # a whole ``auth:`` section (token auth tests)
     proc: subprocess.Popen | None = None
     log: Path = field(init=False)
 
@@ -49,7 +50,7 @@ class Registry:
         self.root.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = free_port()
-        auth = ""
+        auth = self.auth_yaml
         if self.user:
             htpasswd = self.root / "htpasswd"
             hashed = bcrypt.hashpw(self.password.encode(), bcrypt.gensalt(rounds=5)).decode()

@@ -46,3 +46,25 @@ def test_size_limit_reads_only_that_many_bytes() -> None:
     out = b"".join(bytes(c) for c in chunks(stream, SMALL, size=len(data)))
     assert out == data
     assert stream.read() == b"trailing"
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+TINY = ChunkParams(avg_size=256, min_size=64, max_size=1024)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=20000), st.binary(min_size=1, max_size=50))
+def test_property_reassembly_and_prefix_stability(data: bytes, suffix: bytes) -> None:
+    pieces = _pieces(data, TINY)
+    assert b"".join(pieces) == data
+    # Appending bytes never changes chunks that end well before the old end (cut points are local).
+    longer = _pieces(data + suffix, TINY)
+    stable, end = [], 0
+    for p in pieces[:-1]:
+        end += len(p)
+        if end + TINY.max_size > len(data):
+            break
+        stable.append(p)
+    assert longer[: len(stable)] == stable
