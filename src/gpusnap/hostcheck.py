@@ -17,7 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gpusnap.config import Settings
-from gpusnap.errors import IncompatibleHostError, MissingDependencyError
+from gpusnap.errors import IncompatibleHostError, MissingDependencyError, UsageError
+from gpusnap.gpu.base import GpuStatus
 from gpusnap.metadata import CheckpointMetadata, GpuInfo
 
 MIN_CRIU = (4, 0)
@@ -32,6 +33,11 @@ class HostFacts:
     criu_version: str  # "" when CRIU is missing or does not run
     gpus: list[GpuInfo] = field(default_factory=list)
     driver_version: str = ""
+    # From the GPU backend (gpusnap.gpu): what restore's GPU step will see. None when the
+    # backend cannot be used here; gpu_reason then says why.
+    gpu_status: list[GpuStatus] | None = None
+    supports_remap: bool = False
+    gpu_reason: str = ""
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -86,18 +92,41 @@ def host_gpus() -> tuple[list[GpuInfo], str]:
     return gpus, driver
 
 
+def backend_gpus(settings: Settings) -> tuple[list[GpuStatus] | None, bool, str]:
+    """The GPUs as the configured GPU backend sees them (the stand-in in CPU CI), or why not."""
+    if settings.gpu_backend == "none":
+        return None, False, "gpu_backend is none"
+    from gpusnap.gpu.plan import make_backend
+
+    try:
+        backend = make_backend(settings)
+        return backend.status(), backend.supports_remap(), ""
+    except (MissingDependencyError, UsageError) as exc:
+        return None, False, str(exc)
+
+
 def gather(settings: Settings, *, with_gpus: bool = True) -> HostFacts:
     path = criu_path(settings)
-    gpus, driver = host_gpus() if with_gpus else ([], "")
-    return HostFacts(
+    facts = HostFacts(
         arch=platform.machine(),
         kernel=platform.release(),
         hostname=socket.gethostname(),
         criu_path=path,
         criu_version=criu_version(path),
-        gpus=gpus,
-        driver_version=driver,
     )
+    if not with_gpus:
+        return facts
+    status, remap, reason = backend_gpus(settings)
+    if status is not None:
+        facts.gpu_status, facts.supports_remap = status, remap
+        facts.gpus = [s.info for s in status]
+        facts.driver_version = status[0].info.driver_version if status else ""
+    else:
+        # The backend cannot run (no driver, or no cuda-bindings/NVML installed): nvidia-smi
+        # still names the GPUs so the message can say what this host has.
+        facts.gpus, facts.driver_version = host_gpus()
+        facts.gpu_reason = reason
+    return facts
 
 
 def problems(meta: CheckpointMetadata, facts: HostFacts) -> list[str]:
@@ -114,9 +143,11 @@ def problems(meta: CheckpointMetadata, facts: HostFacts) -> list[str]:
             out.append(f"it needs {_gpu_list(want)} and this host has no NVIDIA GPU")
         elif any(have[name] < n for name, n in want.items()):
             out.append(f"it needs {_gpu_list(want)} and this host has {_gpu_list(have)}")
-        want_driver = next((g.driver_version for g in meta.gpus if g.driver_version), "")
-        if want_driver and facts.driver_version and version_tuple(want_driver)[:1] != version_tuple(facts.driver_version)[:1]:
-            out.append(f"it was taken with driver {want_driver} and this host has {facts.driver_version} (another branch)")
+        want_driver = max((g.driver_version for g in meta.gpus if g.driver_version), key=version_tuple, default="")
+        if want_driver and facts.driver_version and version_tuple(facts.driver_version) < version_tuple(want_driver):
+            out.append(f"it was taken with NVIDIA driver {want_driver} and this host has the older {facts.driver_version}")
+    if meta.processes and facts.gpus and facts.gpu_status is None and not out:
+        out.append(f"it holds GPU state and this host's GPU driver cannot restore it ({facts.gpu_reason})")
     return out
 
 
@@ -137,3 +168,9 @@ def require_compatible(meta: CheckpointMetadata | None, facts: HostFacts, *, wha
     found = problems(meta, facts)
     if found:
         raise IncompatibleHostError(f"this host cannot restore {what}: {'; '.join(found)}; restore it on a matching host")
+    if meta.processes and facts.gpu_status is not None:
+        # The GPU side's own check (free memory per GPU, MIG, UUID remap), the one the runtime
+        # repeats at restore: asked here too so the refusal comes before any pull or unpack.
+        from gpusnap.gpu.hostcheck import check_host
+
+        check_host(meta, facts.gpu_status, facts.supports_remap)

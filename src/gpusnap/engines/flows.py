@@ -34,7 +34,7 @@ from gpusnap.engines.base import (
 from gpusnap.engines.registry import detect_form, engine_for_form, find_container, make_engine, read_json_member
 from gpusnap.errors import GpusnapError, MissingDependencyError, NotFoundError, UsageError
 from gpusnap.hostcheck import HostFacts, gather, require_compatible
-from gpusnap.metadata import METADATA_FILE, CheckpointMetadata, GpuInfo
+from gpusnap.metadata import METADATA_FILE, CheckpointMetadata, GpuInfo, GpuProcess
 from gpusnap.steps import Step, run_steps
 
 Progress = Callable[[str], None]
@@ -297,6 +297,11 @@ def restore(
             if source.startswith(("/", "./", "../", "~")) or ("/" not in source and ":" not in source and "@" not in source):
                 raise NotFoundError(f"{source} is neither a file nor a reference like host/repo:tag; check the path or reference")
             api = packaging_api()
+            if not _in_store(api, settings, source):
+                # Refuse before the pull changes the store: the artifact's config (its
+                # metadata) is a small blob read straight from the registry.
+                progress(f"checking {source}")
+                require_compatible(_remote_metadata(source, insecure, decryption), facts, what=source)
             ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
             info = api.inspect(settings.store_dir, ref, **keys)
             form = _artifact_form(info)
@@ -317,6 +322,86 @@ def restore(
                               timings_s={r.name: round(r.seconds, 3) for r in records})
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _in_store(api: Any, settings: Settings, ref: str) -> bool:
+    if not (settings.store_dir / "index.json").is_file():
+        return False  # asking the store would create an empty one
+    try:
+        api.inspect(settings.store_dir, ref)
+        return True
+    except NotFoundError:
+        return False
+
+
+def _remote_metadata(remote: str, insecure: bool, decryption: Any = None) -> CheckpointMetadata:
+    """The checkpoint metadata in a remote artifact's config blob, without pulling its layers.
+
+    An encrypted artifact's config is sealed: the keys are checked against the manifest first
+    (a wrong or missing key fails here, before anything is downloaded), then it is decrypted in memory.
+    """
+    import hashlib
+
+    from gpusnap.packaging.registry import RegistryClient, RemoteRef
+
+    source = RemoteRef.parse(remote)
+    client = RegistryClient(source.registry, insecure=insecure)
+    data, _media, _digest = client.get_manifest(source.repository, source.reference)
+    try:
+        manifest = json.loads(data)
+        config_desc = manifest["config"]
+    except (ValueError, KeyError, TypeError):
+        raise GpusnapError(f"{remote} is not a gpusnap checkpoint (its manifest has no config); check the reference") from None
+    if int(config_desc.get("size", 0)) > 16 << 20:
+        raise GpusnapError(f"{remote}: the artifact's config is {config_desc['size']} bytes, too large for checkpoint metadata")
+    resp = client.request("GET", f"/v2/{source.repository}/blobs/{config_desc['digest']}", scope=f"repository:{source.repository}:pull")
+    blob = resp.content
+    if "sha256:" + hashlib.sha256(blob).hexdigest() != config_desc["digest"]:
+        from gpusnap.errors import IntegrityError
+
+        raise IntegrityError(f"the config blob of {remote} does not match its digest {config_desc['digest']}; the registry served other bytes")
+    if str(config_desc.get("mediaType", "")).endswith("+encrypted"):
+        import io
+
+        from gpusnap.packaging import crypto
+        from gpusnap.packaging.encrypted import check_keys_fit
+
+        keys = decryption or crypto.DecryptionKeys()
+        check_keys_fit(manifest, keys)
+        out = io.BytesIO()
+        crypto.decrypt_stream(io.BytesIO(blob), out, annotations=config_desc.get("annotations") or {}, keys=keys)
+        blob = out.getvalue()
+    try:
+        config = json.loads(blob)
+    except ValueError:
+        raise GpusnapError(f"{remote} is not a gpusnap checkpoint (its config is not JSON); check the reference") from None
+    return _config_metadata(config)
+
+
+def _config_metadata(config: dict[str, Any]) -> CheckpointMetadata:
+    """Metadata from an artifact config (the format packaging writes: docs/artifact-format.md)."""
+    meta = config.get("gpusnap") or {}
+    gpus = config.get("gpus") or meta.get("gpus") or []
+    procs = config.get("processes") or meta.get("processes") or []
+    return CheckpointMetadata.from_dict({
+        "container_id": str((config.get("container") or {}).get("id", "")),
+        "created": str(config.get("created", "")),
+        "criu_version": str(config.get("criuVersion", "")),
+        "kernel": str(config.get("kernel", "")),
+        "arch": str(config.get("arch", "")),
+        "gpus": [_gpu_fields(g) for g in gpus],
+        "processes": [_proc_fields(p) for p in procs],
+    })
+
+
+def _gpu_fields(g: dict[str, Any]) -> dict[str, Any]:
+    keys = GpuInfo.__dataclass_fields__
+    return {k: v for k, v in g.items() if k in keys}
+
+
+def _proc_fields(p: dict[str, Any]) -> dict[str, Any]:
+    keys = GpuProcess.__dataclass_fields__
+    return {k: v for k, v in p.items() if k in keys}
 
 
 def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progress: Progress, **keys: Any) -> str:
@@ -352,19 +437,16 @@ def _artifact_form(info: Any) -> str:
 
 
 def _artifact_metadata(info: Any) -> CheckpointMetadata:
-    """What the host check needs, from the artifact's config (packaging's ArtifactInfo)."""
-    gpus = []
-    for g in getattr(info, "gpus", None) or []:
-        gpus.append(GpuInfo(index=int(g.get("index", len(gpus))), uuid=str(g.get("uuid", "")), name=str(g.get("name", "")),
-                            memory_total_bytes=int(g.get("memory_total_bytes", 0) or 0), driver_version=str(g.get("driver_version", ""))))
-    return CheckpointMetadata(
-        container_id=str((getattr(info, "container", None) or {}).get("id", "")),
-        created=str(getattr(info, "created", "")),
-        criu_version=str(getattr(info, "criu_version", "")),
-        kernel=str(getattr(info, "kernel", "")),
-        arch=str(getattr(info, "arch", "")),
-        gpus=gpus,
-    )
+    """What the host check needs, from packaging's ArtifactInfo (GPUs, GPU processes, host)."""
+    return _config_metadata({
+        "container": getattr(info, "container", None) or {},
+        "created": getattr(info, "created", ""),
+        "criuVersion": getattr(info, "criu_version", ""),
+        "kernel": getattr(info, "kernel", ""),
+        "arch": getattr(info, "arch", ""),
+        "gpus": getattr(info, "gpus", None) or [],
+        "processes": getattr(info, "gpu_processes", None) or [],
+    })
 
 
 def host_arch() -> str:

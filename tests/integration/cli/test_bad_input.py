@@ -134,6 +134,8 @@ def test_restore_name_taken_changes_nothing(gs: Gs, tmp_path: Path) -> None:
         before = snapshot(gs)
         line = one_line_error(gs("restore", str(out), "--name", name, check=False), ExitCode.USAGE)
         assert "already has a container named" in line and "--name" in line
+        line = one_line_error(gs("restore", str(out), "--name", name + "-x", "--engine", "podman", check=False), ExitCode.USAGE)
+        assert "criu-dir checkpoint, which the podman engine cannot restore" in line
         assert snapshot(gs) == before
     finally:
         gs("delete", name, check=False)

@@ -79,3 +79,17 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.strip() == f"gpusnap {__version__}"
+
+
+def test_shell_completion_completes_commands() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "gpusnap")
+    env = {**os.environ, "COMP_WORDS": "gpusnap che", "COMP_CWORD": "1", "_GPUSNAP_COMPLETE": "complete_bash"}
+    proc = subprocess.run([exe], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["checkpoint"]
+    script = subprocess.run([exe, "--show-completion", "bash"], capture_output=True, text=True, timeout=60).stdout
+    assert "_gpusnap_completion" in script

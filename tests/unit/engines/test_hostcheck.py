@@ -49,9 +49,10 @@ def test_gpu_count_model_and_driver() -> None:
     assert problems(two, facts(gpus=[h200(0), h200(1), h200(2)], driver_version="580.159.04")) == []
     assert problems(two, facts()) == ["it needs 2x NVIDIA H200 and this host has no NVIDIA GPU"]
     other = [GpuInfo(index=i, uuid=f"G{i}", name="NVIDIA A100", memory_total_bytes=1) for i in range(2)]
-    assert problems(two, facts(gpus=other, driver_version="580.1")) == ["it needs 2x NVIDIA H200 and this host has 2x NVIDIA A100"]
+    assert problems(two, facts(gpus=other, driver_version="580.159.04")) == ["it needs 2x NVIDIA H200 and this host has 2x NVIDIA A100"]
     msgs = problems(meta(gpus=[h200()]), facts(gpus=[h200(driver="570.1")], driver_version="570.1"))
-    assert msgs == ["it was taken with driver 580.159.04 and this host has 570.1 (another branch)"]
+    assert msgs == ["it was taken with NVIDIA driver 580.159.04 and this host has the older 570.1"]
+    assert problems(meta(gpus=[h200()]), facts(gpus=[h200(driver="590.1")], driver_version="590.1")) == []
 
 
 def test_require_compatible_messages() -> None:
@@ -63,3 +64,32 @@ def test_require_compatible_messages() -> None:
     with pytest.raises(MissingDependencyError, match="needs CRIU >= 4.0"):
         require_compatible(meta(), facts(criu_version="3.17.1"), what="ref")
     require_compatible(None, facts(), what="ref")
+
+
+def test_gpu_state_needs_a_usable_driver() -> None:
+    from gpusnap.metadata import GpuProcess
+
+    m = meta(gpus=[h200()], processes=[GpuProcess(host_pid=10, ns_pid=1, gpu_memory_bytes=1 << 30, gpu_uuids=["GPU-0"])])
+    f = facts(gpus=[h200()], driver_version="580.159.04", gpu_status=None, gpu_reason="cuda-bindings is not installed")
+    assert problems(m, f) == ["it holds GPU state and this host's GPU driver cannot restore it (cuda-bindings is not installed)"]
+
+
+def test_gpu_side_check_runs_with_the_standin(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With the driver stand-in as backend, the GPU side's check (free memory) refuses too."""
+    import json as _json
+
+    from gpusnap.config import load_settings
+    from gpusnap.hostcheck import gather
+    from gpusnap.metadata import GpuProcess
+
+    (tmp_path / "gpus.json").write_text(_json.dumps([{"uuid": "GPU-0", "name": "NVIDIA H200", "memory_total_bytes": 1 << 34,
+                                                     "memory_free_bytes": 1 << 30, "mig_enabled": False,
+                                                     "driver_version": "580.159.04", "cuda_version": "13.0"}]))
+    settings = load_settings(env={}, gpu_backend=f"standin:{tmp_path}")
+    f = gather(settings)
+    assert [g.name for g in f.gpus] == ["NVIDIA H200"] and f.gpu_status is not None
+    small = meta(gpus=[h200()], processes=[GpuProcess(host_pid=10, ns_pid=1, gpu_memory_bytes=1 << 20, gpu_uuids=["GPU-0"])])
+    require_compatible(small, f, what="ref")
+    big = meta(gpus=[h200()], processes=[GpuProcess(host_pid=10, ns_pid=1, gpu_memory_bytes=8 << 30, gpu_uuids=["GPU-0"])])
+    with pytest.raises(IncompatibleHostError, match="free but the checkpoint needs"):
+        require_compatible(big, f, what="ref")

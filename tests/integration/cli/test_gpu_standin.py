@@ -1,0 +1,69 @@
+"""A GPU container end to end on a CPU host: the GPU driver is gpusnap's stand-in (which keeps
+the real driver's checkpoint state machine), everything else is real — runc-direct through
+gpusnap-runtime, CRIU, the registry. The checkpoint's metadata is what the runtime recorded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gpusnap.errors import ExitCode
+
+from .conftest import Gs, unique, wait_numbers
+from .test_bad_input import one_line_error, snapshot
+from .test_e2e import assert_continues
+
+pytestmark = pytest.mark.integration
+
+# Only the shell holds "GPU state": its sleep children drop the stand-in's marker.
+GPU_COUNTER = "i=0; while true; do echo $i; i=$((i+1)); env -u GPUSNAP_STANDIN_CUDA sleep 0.5; done"
+
+
+def gpus(model: str) -> str:
+    return json.dumps([{"uuid": "GPU-5e1f0000-0000-0000-0000-000000000001", "name": model, "memory_total_bytes": 150 << 30,
+                        "memory_free_bytes": 150 << 30, "mig_enabled": False, "driver_version": "580.159.04", "cuda_version": "13.0"}])
+
+
+def test_gpu_checkpoint_refused_on_other_gpu_model_then_restored(gs: Gs, registry: str, tmp_path: Path) -> None:
+    standin = tmp_path / "standin"
+    standin.mkdir()
+    (standin / "gpus.json").write_text(gpus("NVIDIA H200"))
+    gs.env["GPUSNAP_GPU_BACKEND"] = f"standin:{standin}"
+    name = unique("gpu")
+    gs("run", name, "--env", f"GPUSNAP_STANDIN_CUDA={name}", "--", "sh", "-c", GPU_COUNTER)
+    try:
+        wait_numbers(lambda: gs("logs", name).stdout, 3)
+        ref = f"{registry}/{name}:v1"
+        gs("checkpoint", name, "--push", ref, "--insecure")
+        last = wait_numbers(lambda: gs("logs", name).stdout, 1)[-1]
+        calls = (standin / "calls.log").read_text().split("\n")
+        assert [c.split()[0] for c in calls if c] == ["lock", "checkpoint"]
+        gs("delete", name)
+        shutil.rmtree(gs.store)
+
+
+        # Another GPU model: refused before anything is pulled or started.
+        (standin / "gpus.json").write_text(gpus("NVIDIA A100-SXM4-80GB"))
+        before = snapshot(gs)
+        line = one_line_error(gs("restore", ref, "--insecure", "--name", name + "-a100", check=False), ExitCode.INCOMPATIBLE)
+        assert "needs 1x NVIDIA H200 and this host has 1x NVIDIA A100-SXM4-80GB" in line
+        assert snapshot(gs) == before
+        assert not gs.store.exists(), "nothing was pulled"
+
+        # The same model: restored, GPU state put back, and it counts on.
+        (standin / "gpus.json").write_text(gpus("NVIDIA H200"))
+        new = name + "-restored"
+        gs("restore", ref, "--insecure", "--name", new)
+        after = wait_numbers(lambda: gs("logs", new).stdout, 3)
+        assert_continues(last, wait_numbers(lambda: gs("logs", new).stdout, len(after) + 1))
+        calls = [c.split()[0] for c in (standin / "calls.log").read_text().split("\n") if c]
+        assert calls == ["lock", "checkpoint", "restore", "unlock"]
+        shown = gs.json("inspect", ref)
+        assert [g["name"] for g in shown["gpus"]] == ["NVIDIA H200"]  # type: ignore[index]
+        assert [p["ns_pid"] for p in shown["gpu_processes"]] == [1]  # type: ignore[index]
+    finally:
+        for n in (name, name + "-restored"):
+            gs("delete", n, check=False)
