@@ -160,11 +160,13 @@ def test_kill9_runtime_at_gpu_step_of_checkpoint(container, backend, stack, tmp_
     (backend.state_dir / "faults.json").write_text("[]")
     time.sleep(0.5)
     assert c.state()["status"] == "running", "the container must survive its runtime's death"
-    rec = recover(c.id, stack.settings(), root=str(c.root))
-    assert _gpu_states(c, backend) == [R]
-    assert _progress(c), "the workload must make progress after recovery"
+    left = _gpu_states(c, backend)
+    assert _progress(c), "the workload must make progress on the CPU"
+    # No manual recovery: the retry finds the operation lock free and heals the leftovers itself.
     held = _retry_checkpoint_and_restore(c, backend, tmp_path)
-    _record(ledger, f"kill -9 runtime during GPU {call} (checkpoint)", held, detail=f"recovered {rec.moved or 'nothing'}")
+    healed = json.loads(next((tmp_path).glob("retry-*/gpusnap.json")).read_text())["extra"].get("healed_before_checkpoint", {})
+    assert healed == {s.value: n for s, n in {x: left.count(x) for x in left if x != R}.items()}
+    _record(ledger, f"kill -9 runtime during GPU {call} (checkpoint)", held, detail=f"retry healed {healed or 'nothing'}")
     assert held
 
 
@@ -271,4 +273,21 @@ def test_kill9_criu_mid_restore(container, backend, stack, tmp_path, ledger):  #
     assert _gpu_states(c, backend) == [R]
     held = _progress(c) and _retry_checkpoint_and_restore(c, backend, tmp_path)
     _record(ledger, "kill -9 CRIU mid-restore", held, detail="restored from the last good checkpoint")
+    assert held
+
+
+def test_second_checkpoint_while_one_runs_is_refused(container, backend, stack, tmp_path, ledger):  # type: ignore[no-untyped-def]
+    c = container
+    _delay(backend, "checkpoint", 3)
+    first = _start(c, "checkpoint", tmp_path / "img1")
+    _wait(lambda: "INJECTED(delay" in _calls(backend), what="the first checkpoint's GPU step")
+    second = c.checkpoint(tmp_path / "img2")
+    assert second.rc != 0 and "another gpusnap checkpoint or restore" in second.stderr, second.stderr[-400:]
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-400:]
+    c.delete()
+    run = c.restore(tmp_path / "img1")
+    assert run.rc == 0, run.stderr[-400:]
+    held = _gpu_states(c, backend) == [R] and _progress(c)
+    _record(ledger, "second checkpoint while one runs", held, detail="refused by the operation lock; the first completes")
     assert held
