@@ -251,9 +251,9 @@ def build_artifact(
                 media = {"pages": MEDIA_PAGES, "rootfs": MEDIA_ROOTFS, "data": MEDIA_DATA}[role] + (ZSTD_SUFFIX if compress else "")
                 offset = 0
                 assert entry.stream is not None
-                for view in chunker.chunks(entry.stream, params, entry.info.size):
-                    raw_len = len(view)
-                    blob = zc.compress(view) if zc else bytes(view)
+                for group in chunker.groups(chunker.chunks(entry.stream, params, entry.info.size), params):
+                    raw_len = len(group)
+                    blob = zc.compress(group) if zc else bytes(group)
                     digest = sha256_digest(blob)
                     if not store.has_blob(digest):  # dedup before any write
                         store.put_bytes(blob, digest)
@@ -469,9 +469,9 @@ def _layer_stream(store: OciStore, desc: Descriptor) -> IO[bytes]:
 
 
 def _read_chunk(store: OciStore, desc: Descriptor) -> bytes:
-    data = store.read_bytes(desc.digest, limit=chunker.MAX_SIZE * 2)
+    data = store.read_bytes(desc.digest, limit=chunker.GROUP_MAX * 2)
     if desc.media_type.endswith(ZSTD_SUFFIX):
-        data = zstandard.ZstdDecompressor().decompress(data, max_output_size=chunker.MAX_SIZE)
+        data = zstandard.ZstdDecompressor().decompress(data, max_output_size=chunker.GROUP_MAX)
     expected = int(desc.annotations.get(A_LENGTH, len(data)))
     if len(data) != expected:
         raise IntegrityError(f"chunk {desc.digest} holds {len(data)} bytes, the manifest says {expected}; the artifact is corrupt")

@@ -10,6 +10,7 @@ checkpoints, never correctness.
 from __future__ import annotations
 
 from collections.abc import Iterator
+import zlib
 from dataclasses import dataclass
 from typing import IO
 
@@ -19,6 +20,13 @@ AVG_SIZE = 4 << 20  # pyfastcdc's largest average; with min 1 MiB real chunks ar
 MIN_SIZE = 1 << 20
 MAX_SIZE = 16 << 20
 ALGORITHM = "fastcdc-2020"
+# Chunks are grouped into blobs, again by content: a group ends after a chunk whose last bytes
+# hash to 0 mod GROUP_EVERY (or when it reaches GROUP_MAX). Why: every blob costs the registry
+# a few ms of CPU and three requests; ~400 blobs per 2 GiB made pushes 1.5-2x slower than one
+# stream, ~200 halve that while a changed region still costs only one ~10 MiB group.
+GROUP_EVERY = 2
+GROUP_MAX = 24 << 20
+_GROUP_TAIL = 256
 
 
 @dataclass(frozen=True)
@@ -27,8 +35,12 @@ class ChunkParams:
     min_size: int = MIN_SIZE
     max_size: int = MAX_SIZE
 
+    group_every: int = GROUP_EVERY
+    group_max: int = GROUP_MAX
+
     def to_dict(self) -> dict[str, object]:
-        return {"algorithm": ALGORITHM, "avgSize": self.avg_size, "minSize": self.min_size, "maxSize": self.max_size}
+        return {"algorithm": ALGORITHM, "avgSize": self.avg_size, "minSize": self.min_size, "maxSize": self.max_size,
+                "groupEvery": self.group_every, "groupMax": self.group_max, "groupHash": f"crc32(last {_GROUP_TAIL} bytes)"}
 
 
 class _Limited:
@@ -57,3 +69,22 @@ def chunks(stream: IO[bytes], params: ChunkParams = ChunkParams(), size: int | N
     cdc = FastCDC(params.avg_size, min_size=params.min_size, max_size=params.max_size)
     for c in cdc.cut_stream(_Limited(stream, size)):
         yield c.data
+
+
+def groups(pieces: Iterator[memoryview], params: ChunkParams = ChunkParams()) -> Iterator[bytearray]:
+    """Concatenate consecutive chunks into groups whose ends are content-defined too.
+
+    The decision looks only at the chunk that ends a group, so after a change the grouping
+    falls back in step at the next boundary chunk, exactly as the chunks themselves do.
+    """
+    buf = bytearray()
+    for view in pieces:
+        if buf and len(buf) + len(view) > params.group_max:
+            yield buf
+            buf = bytearray()
+        buf += view
+        if zlib.crc32(view[-_GROUP_TAIL:]) % params.group_every == 0:
+            yield buf
+            buf = bytearray()
+    if buf:
+        yield buf

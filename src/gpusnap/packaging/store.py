@@ -52,23 +52,6 @@ def _syncfs(path: Path) -> None:
         os.close(fd)
 
 
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing ``fd``'s data now (sync_file_range(2), not waiting).
-
-    The syncfs at publish then finds most data already on disk instead of flushing a whole
-    multi-GB checkpoint at the end. Best effort: an error only means a slower publish.
-    """
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).sync_file_range(fd, ctypes.c_longlong(0), ctypes.c_longlong(0), _SYNC_FILE_RANGE_WRITE)
-    except (OSError, AttributeError):
-        pass
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -178,8 +161,6 @@ class BlobWriter:
                     f"blob {digest} size mismatch: expected {expected_size} bytes, got {self.size}; the data was discarded"
                 )
             try:
-                self._file.flush()
-                _start_writeback(self._file.fileno())
                 self._file.close()
             except OSError as exc:
                 raise _storage_error(exc, self._store.root) from None

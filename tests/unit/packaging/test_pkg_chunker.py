@@ -68,3 +68,21 @@ def test_property_reassembly_and_prefix_stability(data: bytes, suffix: bytes) ->
             break
         stable.append(p)
     assert longer[: len(stable)] == stable
+
+
+def test_groups_are_content_defined_and_bounded() -> None:
+    from gpusnap.packaging.chunker import groups
+
+    params = ChunkParams(avg_size=64 << 10, min_size=16 << 10, max_size=256 << 10, group_every=2, group_max=512 << 10)
+    data = random.Random(6).randbytes(16 << 20)
+
+    def digests(d: bytes) -> list[str]:
+        return [hashlib.sha256(g).hexdigest() for g in groups(chunks(io.BytesIO(d), params), params)]
+
+    before = digests(data)
+    whole = b"".join(bytes(g) for g in groups(chunks(io.BytesIO(data), params), params))
+    assert whole == data
+    assert all(len(g) <= params.group_max for g in groups(chunks(io.BytesIO(data), params), params))
+    after = digests(data[: 8 << 20] + b"y" * 10 + data[8 << 20:])
+    assert len(set(before) & set(after)) >= len(before) - 3
+    assert len(before) < len(_digests(data, params))  # fewer blobs than chunks
