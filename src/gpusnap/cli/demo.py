@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -37,7 +38,7 @@ def _wait_for_count(engine: RuncDirectEngine, info: ContainerInfo, at_least: int
         time.sleep(0.2)
 
 
-def run_demo(settings: Settings, name: str, keep: bool, say) -> dict:  # type: ignore[no-untyped-def]
+def run_demo(settings: Settings, name: str, keep: bool, say: Callable[[str], None]) -> dict[str, object]:
     engine = RuncDirectEngine(settings)
     restored_name = f"{name}-restored"
     for n in (name, restored_name):

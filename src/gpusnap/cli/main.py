@@ -15,12 +15,11 @@ from typing import Annotated, Optional
 import typer
 
 from gpusnap import __version__
-from gpusnap.cli.output import Out, human_size
+from gpusnap.cli.output import Out
 from gpusnap.config import Settings, load_settings
-from gpusnap.errors import ExitCode, GpusnapError, NotFoundError, UsageError
+from gpusnap.errors import ExitCode, GpusnapError
 
 EPILOG = "Exit codes: " + ", ".join(f"{c.value} {c.name.lower().replace('_', ' ')}" for c in ExitCode) + "."
-ENGINE_HELP = "auto (find the engine that owns it), runc-direct, podman or docker"
 
 
 @dataclass(frozen=True)
@@ -110,4 +109,4 @@ def get_ctx(ctx: typer.Context) -> Ctx:
     return obj
 
 
-__all__ = ["main", "build_app", "get_ctx", "Ctx", "human_size", "NotFoundError", "UsageError"]
+__all__ = ["main", "build_app", "get_ctx", "Ctx"]

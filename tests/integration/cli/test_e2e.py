@@ -77,12 +77,12 @@ def case(request: pytest.FixtureRequest, gs: Gs) -> EngineCase:
     return EngineCase(engine, gs, name)
 
 
-def _checkpoint_and_restore(case: EngineCase, checkpoint_args: list[str], restore_source: str, wipe: Callable[[], None], restore_args: list[str] = []) -> list[int]:
+def _checkpoint_and_restore(case: EngineCase, checkpoint_args: list[str], restore_source: str, wipe: Callable[[], None], restore_args: tuple[str, ...] = ()) -> list[int]:
     gs = case.gs
     before = wait_numbers(lambda: case.logs(case.name), 4)
     assert len(before) >= 4, before
     out = gs("checkpoint", case.name, *checkpoint_args, "--json")
-    assert '"engine": "%s"' % case.engine in out.stdout
+    assert json.loads(out.stdout)["engine"] == case.engine
     assert not case.running(case.name), "checkpoint without --leave-running stops the container"
     last = wait_numbers(lambda: case.logs(case.name), 1)[-1]
     case.remove(case.name)
@@ -91,7 +91,7 @@ def _checkpoint_and_restore(case: EngineCase, checkpoint_args: list[str], restor
     new = case.name + "-restored"
     gs("restore", restore_source, "--name", new, *restore_args)
     assert case.running(new)
-    after = wait_numbers(lambda: case.logs(new), (0 if case.engine != "podman" else 0) + 3)
+    after = wait_numbers(lambda: case.logs(new), 3)
     after = wait_numbers(lambda: case.logs(new), len(after) + 2)
     assert_continues(last, after)
     return after
@@ -106,10 +106,10 @@ def test_push_remove_everywhere_restore_from_registry(case: EngineCase, registry
     ref = f"{registry}/{case.name}:v1"
     _checkpoint_and_restore(
         case,
-        ["--push", ref, "--insecure"],
+        ["--push", ref, "--insecure", "--compress"],
         ref,
         wipe=lambda: shutil.rmtree(case.gs.store, ignore_errors=True),
-        restore_args=["--insecure"],
+        restore_args=("--insecure",),
     )
     check_inspect(case, ref, tmp_path)
 
