@@ -321,3 +321,31 @@ def test_lying_config_is_refused_at_restore(registry: Registry, tmp_path: Path, 
         assert isinstance(exc, GpusnapError)
         _clean(store)
     counter["lying-config"][1] += 1
+
+
+_bad_digest = st.one_of(
+    st.text(max_size=80),
+    st.binary(min_size=32, max_size=32).map(lambda b: "sha256:" + b.hex()),  # well-formed, wrong
+    st.sampled_from(["sha512:" + "0" * 128, "sha256:" + "A" * 64, "sha256:", "sha256:../../x"]),
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.integers(min_value=0, max_value=50), field=st.sampled_from(["digest", "size"]), data=st.data())
+def test_fuzzed_descriptor_lies(registry: Registry, tmp_path: Path, counter: dict, which: int, field: str, data: st.DataObject) -> None:  # type: ignore[type-arg]
+    """Any descriptor (config or layer) whose digest or size is not the blob's: refused, nothing kept."""
+    original = json.loads(registry.manifest)
+    m = json.loads(registry.manifest)
+    descs = [m["config"], *m["layers"]]
+    d = descs[which % len(descs)]
+    if field == "digest":
+        d["digest"] = data.draw(_bad_digest.filter(lambda v: v != d["digest"]))
+    else:
+        d["size"] = data.draw(st.one_of(st.integers(), st.text(max_size=5), st.none(), st.floats(allow_nan=False)).filter(lambda v: str(v) != str(d["size"]) and not (isinstance(v, (int, float)) and v == d["size"])))
+    registry.manifest = json.dumps(m).encode()
+    try:
+        store, exc = _pull(tmp_path)
+        _refused(counter, "fuzzed-descriptor-lie", exc)
+        _clean(store)
+    finally:
+        registry.manifest = json.dumps(original).encode()
