@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import platform
 import shutil
 import socket
@@ -150,7 +151,24 @@ def default_ref(container: ContainerInfo) -> str:
 def work_dir(settings: Settings) -> Path:
     base = settings.state_dir / "tmp"
     base.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="work-", dir=base))
+    _remove_dead_work_dirs(base)
+    # The owner's PID in the name: a work dir holds a whole CRIU image (plain process memory),
+    # and one left by a killed gpusnap must not stay on disk (see _remove_dead_work_dirs).
+    return Path(tempfile.mkdtemp(prefix=f"work-{os.getpid()}-", dir=base))
+
+
+def _remove_dead_work_dirs(base: Path) -> None:
+    for d in base.glob("work-*-*"):
+        try:
+            pid = int(d.name.split("-")[1])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)  # its gpusnap was killed before cleaning up
+        except PermissionError:
+            pass  # alive, someone else's
 
 
 def checkpoint(

@@ -76,6 +76,9 @@ def test_kill9_cli_checkpoint_during_push(tmp_path: Path, ledger) -> None:  # ty
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(30)
             release.set()
+        # What the killed run left: its work dir, with the CRIU images (plain memory) in it.
+        debris = list((root / "state" / "tmp").glob(f"work-{proc.pid}-*"))
+        assert debris, "expected the killed run's work dir (else this test proves nothing about its cleanup)"
         last = _numbers(env, name)[-1]
         # The checkpoint was stored before the push began: it is there, whole, under its tag.
         rows = json.loads(_gs(env, "ls", "--json").stdout)
@@ -85,6 +88,7 @@ def test_kill9_cli_checkpoint_during_push(tmp_path: Path, ledger) -> None:  # ty
         restored = name + "-r"
         r = _gs(env, "restore", ref, "--name", restored)
         assert r.returncode == 0, r.stderr
+        assert not any(d.exists() for d in debris), "the next gpusnap run must remove a dead run's work dir"
         assert _wait(lambda: any(n > last for n in _numbers(env, restored))), "the restored counter does not go on"
         after = _numbers(env, restored)
         assert last + 1 in after, (last, after)
@@ -97,4 +101,4 @@ def test_kill9_cli_checkpoint_during_push(tmp_path: Path, ledger) -> None:  # ty
             _gs(env, "delete", n)
         reg.kill()
     ledger.record("fault", "kill -9 `gpusnap checkpoint --push` mid-push", passed=int(held),
-                  detail="restored from the local store; push retried")
+                  detail="restored from the local store; push retried; dead run's work dir removed")
