@@ -26,8 +26,9 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the container as JSON.")] = False,
     ) -> None:
         """Run a container on gpusnap's embedded engine (runc-direct), detached."""
-        from gpusnap.cli.main import get_ctx
+        from gpusnap.cli.main import get_ctx, require_root
 
+        require_root("gpusnap run")
         c = get_ctx(ctx)
         argv = list(command)[1:] if command and command[0] == "--" else list(command)
         info = RuncDirectEngine(c.settings).run(name, argv, rootfs=rootfs, network=network, env=env or [], publish=publish or [], ip=ip)

@@ -103,8 +103,9 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     ) -> None:
         """Checkpoint a counting container, delete it, restore it, and show it counting on."""
-        from gpusnap.cli.main import get_ctx
+        from gpusnap.cli.main import get_ctx, require_root
 
+        require_root("gpusnap demo")
         c = get_ctx(ctx)
         result = run_demo(c.settings, name, keep, (lambda _t: None) if as_json else c.out.info)
         if as_json:

@@ -17,7 +17,7 @@ import typer
 from gpusnap import __version__
 from gpusnap.cli.output import Out
 from gpusnap.config import Settings, load_settings
-from gpusnap.errors import ExitCode, GpusnapError
+from gpusnap.errors import ExitCode, GpusnapError, UsageError
 
 EPILOG = "Exit codes: " + ", ".join(f"{c.value} {c.name.lower().replace('_', ' ')}" for c in ExitCode) + "."
 
@@ -102,6 +102,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(int(ExitCode.FAILURE))
 
 
+def require_root(what: str) -> None:
+    """CRIU and runc need root; say so up front instead of failing halfway through."""
+    import os
+
+    if os.geteuid() != 0:
+        raise UsageError(f"{what} needs root (CRIU and runc do); run it with sudo")
+
+
 def get_ctx(ctx: typer.Context) -> Ctx:
     obj = ctx.find_root().obj
     if not isinstance(obj, Ctx):  # called without the callback (tests calling commands directly)
@@ -109,4 +117,4 @@ def get_ctx(ctx: typer.Context) -> Ctx:
     return obj
 
 
-__all__ = ["main", "build_app", "get_ctx", "Ctx"]
+__all__ = ["main", "build_app", "get_ctx", "require_root", "Ctx"]

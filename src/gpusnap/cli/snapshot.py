@@ -31,9 +31,10 @@ def register(app: typer.Typer) -> None:
         recipient: Annotated[Optional[list[Path]], typer.Option("--recipient", metavar="PUBKEY.pem", help="Also let this public key (PEM, X25519 or RSA) decrypt it; repeatable.")] = None,
     ) -> None:
         """Checkpoint a container through its engine, store it locally, push it if asked."""
-        from gpusnap.cli.main import get_ctx
+        from gpusnap.cli.main import get_ctx, require_root
         from gpusnap.packaging.crypto import encryption_from_options
 
+        require_root("gpusnap checkpoint")
         c = get_ctx(ctx)
         opts = CheckpointOptions(leave_running=leave_running, tcp_established=tcp_established, compress=compress)
         # Keys are read before anything is dumped: a bad key file must not cost a checkpoint.
@@ -63,8 +64,9 @@ def register(app: typer.Typer) -> None:
         decrypt_key: Annotated[Optional[list[Path]], typer.Option("--decrypt-key", metavar="KEYFILE", help="Key file or PEM private key that opens an encrypted checkpoint; repeatable.")] = None,
     ) -> None:
         """Pull if needed, check this host can take it, and restore through the engine."""
-        from gpusnap.cli.main import get_ctx
+        from gpusnap.cli.main import get_ctx, require_root
 
+        require_root("gpusnap restore")
         c = get_ctx(ctx)
         keys: dict[str, object] = {}
         if decrypt_key:

@@ -93,3 +93,13 @@ def test_shell_completion_completes_commands() -> None:
     assert proc.stdout.split() == ["checkpoint"]
     script = subprocess.run([exe, "--show-completion", "bash"], capture_output=True, text=True, timeout=60).stdout
     assert "_gpusnap_completion" in script
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["run", "x", "--", "sh"], ["checkpoint", "x"], ["restore", "localhost/x:y"]])
+def test_commands_that_need_root_say_so(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:
+    import os
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    code, _, err = run(capsys, *argv)
+    assert code == ExitCode.USAGE
+    assert err.strip() == f"gpusnap: error: gpusnap {argv[0]} needs root (CRIU and runc do); run it with sudo"
