@@ -35,7 +35,7 @@ import zstandard
 from gpusnap.errors import IntegrityError, NotFoundError, UsageError
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata
 from gpusnap.packaging import chunker, pstree
-from gpusnap.packaging.safetar import check_member
+from gpusnap.packaging.safetar import LinkTracker, check_member
 from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, BlobWriter, Descriptor, OciStore, sha256_digest
 
 FORMS = ("criu-dir", "podman-archive", "docker-dir")
@@ -110,9 +110,11 @@ def iter_archive(path: Path) -> Iterator[Entry]:
             tar = tarfile.open(fileobj=stream, mode="r|")
         except tarfile.TarError as exc:
             raise UsageError(f"{path}: not a tar archive (plain, gzip or zstd) ({exc}); give a `podman container checkpoint --export` file") from None
+        links = LinkTracker()
         with tar:
             for member in tar:
                 name = check_member(member, what=str(path))
+                links.check(member, name, what=str(path))
                 if name == ".":
                     continue
                 yield Entry(name, member, tar.extractfile(member) if member.isreg() else None)

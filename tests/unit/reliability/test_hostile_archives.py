@@ -252,7 +252,22 @@ def test_hostile_podman_archive_through_store_and_materialize(box: Path, tally: 
         tally.add(f"podman-export:{kind}", refused_at is not None)
         assert refused_at is not None, f"{kind}: {[e[0].name[:60] for e in entries]} accepted end to end"
         assert _snapshot(box, skip=store_dir) == before, f"{kind} wrote outside the target"
+        if kind == "symlink-gadget":
+            assert refused_at == "store", "a symlink chain is refused when stored, not only when extracted"
         if refused_at == "store":
             assert OciStore(store_dir).tags() == [], "a refused checkpoint must not be tagged"
     finally:
         shutil.rmtree(work)
+
+
+def test_harmless_symlinks_still_stored(tmp_path: Path) -> None:
+    """The chain rule refuses paths through the archive's own links, not links as such."""
+    from gpusnap.packaging import api
+
+    entries = [_file("checkpoint/inventory.img", b"inv"), _file("checkpoint/a.img", b"a"),
+               _link("checkpoint/alias.img", "a.img", tarfile.SYMTYPE), _link("checkpoint/again.img", "alias.img", tarfile.SYMTYPE)]
+    archive = tmp_path / "export.tar"
+    archive.write_bytes(_build(entries, tarfile.PAX_FORMAT))
+    api.store_checkpoint(tmp_path / "store", archive, form="podman-archive", ref="gs-rel-ok:1")
+    out = api.materialize_checkpoint(tmp_path / "store", "gs-rel-ok:1", tmp_path / "out", form="criu-dir")
+    assert (out / "again.img").read_bytes() == b"a"
