@@ -28,17 +28,21 @@ def _need(*tools: str) -> None:
 @pytest.fixture
 def registry(tmp_path: Path) -> Iterator[Registry]:
     _need("/usr/bin/docker-registry")
-    reg = Registry(tmp_path / "registry").start()
-    yield reg
-    reg.stop()
+    reg = Registry(tmp_path / "registry")
+    try:
+        yield reg.start()
+    finally:
+        reg.stop()
 
 
 @pytest.fixture
 def auth_registry(tmp_path: Path) -> Iterator[Registry]:
     _need("/usr/bin/docker-registry")
-    reg = Registry(tmp_path / "registry-auth", user="gs-pkg-user", password="gs-pkg-secret").start()
-    yield reg
-    reg.stop()
+    reg = Registry(tmp_path / "registry-auth", user="gs-pkg-user", password="gs-pkg-secret")
+    try:
+        yield reg.start()
+    finally:
+        reg.stop()
 
 
 @pytest.fixture

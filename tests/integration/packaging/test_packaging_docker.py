@@ -44,9 +44,11 @@ def docker_counter() -> Iterator[tuple[str, str]]:
     if docker("image", "inspect", IMAGE, check=False).returncode != 0:
         pytest.skip(f"{IMAGE} missing (tests/host/provision.sh)")
     name = f"gs-pkg-{uuid.uuid4().hex[:8]}"
-    cid = docker("run", "-d", "--name", name, IMAGE, "sh", "-c", COUNTER).stdout.strip()
-    yield name, cid
-    docker("rm", "-f", name, check=False)
+    try:
+        cid = docker("run", "-d", "--name", name, IMAGE, "sh", "-c", COUNTER).stdout.strip()
+        yield name, cid
+    finally:
+        docker("rm", "-f", name, check=False)
 
 
 def test_docker_checkpoint_round_trip(tmp_path: Path, registry: Registry, docker_counter: tuple[str, str]) -> None:

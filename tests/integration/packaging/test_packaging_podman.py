@@ -24,9 +24,11 @@ def podman_counter() -> Iterator[str]:
     if not shutil.which("podman") or podman("image", "exists", IMAGE, check=False).returncode != 0:
         pytest.skip("podman or the busybox image missing (run tests/host/provision.sh)")
     name = f"gs-pkg-{uuid.uuid4().hex[:8]}"
-    podman("run", "-d", "--name", name, IMAGE, "sh", "-c", COUNTER)
-    yield name
-    podman("rm", "-f", "-t", "0", name, check=False)
+    try:
+        podman("run", "-d", "--name", name, IMAGE, "sh", "-c", COUNTER)
+        yield name
+    finally:
+        podman("rm", "-f", "-t", "0", name, check=False)
 
 
 def _tree(archive: Path, dest: Path) -> dict[str, bytes]:

@@ -24,9 +24,11 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def counter(tmp_path: Path):
     c = RuncContainer(tmp_path / "ctr", busybox_rootfs(tmp_path / "ctr" / "rootfs"), ["sh", "-c", COUNTER])
-    c.start()
-    yield c
-    c.destroy()
+    try:
+        c.start()
+        yield c
+    finally:
+        c.destroy()
 
 
 def _metadata(container_id: str) -> CheckpointMetadata:

@@ -106,10 +106,12 @@ def token_registry(tmp_path: Path) -> Iterator[tuple[Registry, TokenService]]:
     reg = Registry(tmp_path / "registry-token",
                    auth_yaml=(f"auth:\n  token:\n    realm: {svc.realm}\n    service: {SERVICE}\n    issuer: {ISSUER}\n"
                               f"    rootcertbundle: {svc.bundle}\n"))
-    reg.start()
-    yield reg, svc
-    reg.stop()
-    svc.stop()
+    try:
+        reg.start()
+        yield reg, svc
+    finally:
+        reg.stop()
+        svc.stop()
 
 
 def test_push_and_pull_with_bearer_tokens(tmp_path: Path, token_registry: tuple[Registry, TokenService]) -> None:
