@@ -115,6 +115,19 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
         if rc != 0:
             raise RuncFailed("runc checkpoint", rc)
 
+    from gpusnap.checkpoint.recovery import heal, is_suspended, operation_lock
+
+    with operation_lock(settings, call.container_id):
+        backend = getattr(plan, "backend", None)
+        if backend is not None and not is_suspended(settings, call.container_id):
+            # A run killed with SIGKILL cannot roll back; its GPU leftovers are healed here.
+            healed = heal(backend, settings.host, ref.init_pid, ref.cgroup_procs or None)
+            if healed:
+                meta.extra["healed_before_checkpoint"] = healed
+        return _checkpoint_steps(plan, ref, image_dir, meta, dump)
+
+
+def _checkpoint_steps(plan: GpuPlan, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata, dump: Callable[[], None]) -> int:
     # No undo for the dump itself: with --leave-running the container still runs, without it
     # the dump is what the caller asked for; the GPU steps before it carry their own undo.
     steps = [
@@ -205,7 +218,17 @@ def restore(
         ref.annotations = {str(k): str(v) for k, v in (restored_spec.get("annotations") or {}).items()}
 
     detached = call.inv.flag("detach")
+    from gpusnap.checkpoint.recovery import operation_lock
+
     runner = _Foreground(call, args, env) if not detached else None
+    # Held until the container runs, not for a foreground container's whole life.
+    with operation_lock(settings, call.container_id, error=RestoreError):
+        _restore_locked(call, settings, spec_steps, plan, image_dir, meta, ref, args, env, marker, runner)
+    return 0 if runner is None else runner.wait()
+
+
+def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan, image_dir: Path, meta: CheckpointMetadata | None,
+                    ref: ContainerRef, args: list[str], env: dict[str, str], marker: Path, runner: "_Foreground | None") -> None:
 
     def do_restore() -> None:
         if runner is None:
@@ -237,7 +260,6 @@ def restore(
         run_steps(steps)
     finally:
         marker.unlink(missing_ok=True)
-    return 0 if runner is None else runner.wait()
 
 
 class _Foreground:

@@ -76,11 +76,15 @@ def _push(
     subject: str | None = typer.Option(None, "--subject", help="image in the same repository to attach the checkpoint to (referrers)"),
     store: Path | None = StoreOpt,
     as_json: bool = JsonOpt,
+    encrypt_key: Path | None = typer.Option(None, "--encrypt-key", metavar="KEYFILE", help="push an encrypted copy (256-bit key file, mode 0600)"),
+    recipient: list[Path] | None = typer.Option(None, "--recipient", metavar="PUBKEY.pem", help="public key (X25519/RSA) that may decrypt it; repeatable"),
 ) -> None:
     """Upload a stored checkpoint to a registry (only blobs the registry lacks are sent)."""
     from gpusnap.packaging import api
+    from gpusnap.packaging.crypto import encryption_from_options
 
-    r = api.push(_store(store), ref, remote, insecure=insecure, subject=subject)
+    sealed = encryption_from_options(encrypt_key, recipient or [], load_settings().state_dir / "convergence.key")
+    r = api.push(_store(store), ref, remote, insecure=insecure, subject=subject, **({"encryption": sealed} if sealed else {}))
     if as_json:
         _print_json(asdict(r))
         return
@@ -93,11 +97,14 @@ def _pull(
     insecure: bool = InsecureOpt,
     store: Path | None = StoreOpt,
     as_json: bool = JsonOpt,
+    decrypt_key: list[Path] | None = typer.Option(None, "--decrypt-key", metavar="KEYFILE", help="check before downloading that this key opens an encrypted checkpoint; repeatable"),
 ) -> None:
     """Download a checkpoint into the local store, verifying every byte."""
     from gpusnap.packaging import api
+    from gpusnap.packaging.crypto import load_decryption_keys
 
-    ref = api.pull(_store(store), remote, insecure=insecure)
+    keys = {"decryption": load_decryption_keys(decrypt_key)} if decrypt_key else {}
+    ref = api.pull(_store(store), remote, insecure=insecure, **keys)
     if as_json:
         desc = api.list_checkpoints(_store(store))
         _print_json(next((d for d in desc if d["ref"] == ref), {"ref": ref}))
@@ -237,18 +244,36 @@ def _inspect(
     form: str | None = typer.Option(None, "--form", help="form of a PATH: criu-dir, podman-archive, docker-dir (guessed)"),
     store: Path | None = StoreOpt,
     as_json: bool = JsonOpt,
+    decrypt_key: list[Path] | None = typer.Option(None, "--decrypt-key", metavar="KEYFILE", help="show the full config of an encrypted checkpoint"),
 ) -> None:
     """Show a checkpoint: container, image, sizes per layer, process tree, GPUs, timings."""
     from gpusnap.packaging import api
+    from gpusnap.packaging.crypto import load_decryption_keys
 
     path = Path(target)
-    info = api.inspect_path(path, form=form) if path.exists() else api.inspect(_store(store), target)
+    keys = {"decryption": load_decryption_keys(decrypt_key)} if decrypt_key else {}
+    info = api.inspect_path(path, form=form) if path.exists() else api.inspect(_store(store), target, **keys)
     if as_json:
         _print_json(info.to_dict())
         return
     console = _console()
     for r in inspect_renderables(info):
         console.print(r)
+
+
+def _verify(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
+    """Re-hash every blob and walk every tag: corrupt, missing, wrongly sized, readable by others."""
+    from gpusnap.errors import IntegrityError
+    from gpusnap.packaging.store import OciStore
+    from gpusnap.packaging.verify import verify_store
+
+    report = verify_store(OciStore(_store(store)))
+    if as_json:
+        _print_json(asdict(report) | {"ok": report.ok})
+    elif report.ok:
+        _console().print(f"ok: {report.summary()}")
+    if not report.ok:
+        raise IntegrityError(f"store {_store(store)} failed verification: {report.summary()}; pull the damaged checkpoints again")
 
 
 def register(app: typer.Typer) -> None:
@@ -259,3 +284,4 @@ def register(app: typer.Typer) -> None:
     app.command("rm")(_fail_cleanly(_rm))
     app.command("gc")(_fail_cleanly(_gc))
     app.command("inspect")(_fail_cleanly(_inspect))
+    app.command("verify")(_fail_cleanly(_verify))

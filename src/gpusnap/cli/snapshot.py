@@ -27,15 +27,21 @@ def register(app: typer.Typer) -> None:
         engine: Annotated[str, ENGINE_OPT] = "auto",
         insecure: Annotated[bool, typer.Option("--insecure", help="Allow a plain-HTTP registry.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+        encrypt_key: Annotated[Optional[Path], typer.Option("--encrypt-key", metavar="KEYFILE", help="Encrypt every layer with this 256-bit key file (mode 0600).")] = None,
+        recipient: Annotated[Optional[list[Path]], typer.Option("--recipient", metavar="PUBKEY.pem", help="Also let this public key (PEM, X25519 or RSA) decrypt it; repeatable.")] = None,
     ) -> None:
         """Checkpoint a container through its engine, store it locally, push it if asked."""
         from gpusnap.cli.main import get_ctx, require_root
+        from gpusnap.packaging.crypto import encryption_from_options
 
         require_root("gpusnap checkpoint")
         c = get_ctx(ctx)
         opts = CheckpointOptions(leave_running=leave_running, tcp_established=tcp_established, compress=compress)
+        # Keys are read before anything is dumped: a bad key file must not cost a checkpoint.
+        encryption = encryption_from_options(encrypt_key, recipient or [], c.settings.state_dir / "convergence.key")
+        sealed = {"encryption": encryption} if encryption is not None else {}
         with c.out.progress(f"checkpointing {container}") as progress:
-            outcome = flows.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress)
+            outcome = flows.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress, **sealed)
         if as_json:
             c.out.json(outcome.to_dict())
             return
@@ -55,14 +61,20 @@ def register(app: typer.Typer) -> None:
         ip: Annotated[Optional[str], typer.Option("--ip", help="runc-direct bridge network: restore at this address (default: the recorded one).")] = None,
         insecure: Annotated[bool, typer.Option("--insecure", help="Allow a plain-HTTP registry.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+        decrypt_key: Annotated[Optional[list[Path]], typer.Option("--decrypt-key", metavar="KEYFILE", help="Key file or PEM private key that opens an encrypted checkpoint; repeatable.")] = None,
     ) -> None:
         """Pull if needed, check this host can take it, and restore through the engine."""
         from gpusnap.cli.main import get_ctx, require_root
 
         require_root("gpusnap restore")
         c = get_ctx(ctx)
+        keys: dict[str, object] = {}
+        if decrypt_key:
+            from gpusnap.packaging.crypto import load_decryption_keys
+
+            keys["decryption"] = load_decryption_keys(decrypt_key)
         with c.out.progress(f"restoring {source}") as progress:
-            outcome = flows.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress, ip=ip)
+            outcome = flows.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress, ip=ip, **keys)
         if as_json:
             c.out.json(outcome.to_dict())
             return

@@ -48,3 +48,21 @@ def register(app: typer.Typer) -> None:
             _fail(exc)
             return
         typer.echo(f"resumed {container} in {timings.get('total', 0):.2f} s")
+
+    @app.command()
+    def recover(
+        container: str = typer.Argument(..., help="runc container ID"),
+        root: Optional[str] = typer.Option(None, "--root", help="runc state root of the engine"),
+    ) -> None:
+        """After gpusnap-runtime was killed mid-checkpoint/restore: bring CONTAINER's GPU processes
+        back to running and drop a dead restore's marker (idempotent)."""
+        from gpusnap.checkpoint.recovery import recover as do_recover
+
+        try:
+            rec = do_recover(container, load_settings(), root=root)
+        except GpusnapError as exc:
+            _fail(exc)
+            return
+        moved = ", ".join(f"{n} {s}" for s, n in rec.moved.items()) or "none"
+        typer.echo(f"{container} ({rec.status}): {rec.gpu_processes} GPU process(es), brought back to running: {moved}"
+                   + ("; removed a stale restore marker" if rec.stale_marker_removed else ""))

@@ -8,7 +8,10 @@ over RPC. The shim owns one file per container under ``<run_dir>/criu/``.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+from gpusnap.errors import UsageError
 
 CRIU_CONFIG_ANNOTATION = "org.criu.config"
 # Set by the shim next to org.criu.config so a later pass (restore) knows the file is its own
@@ -24,7 +27,19 @@ BASE_OPTIONS = ("link-remap",)
 _TRUE = {"1", "true", "yes", "on"}
 
 
+# runc's own container id alphabet; checked here because the id becomes a file name.
+_ID_RE = re.compile(r"[\w+\-.]{1,1024}", re.ASCII)
+# A CRIU long option, optionally with one plain value ("opt value" or "opt=value"): no line
+# breaks or other whitespace, so nothing can smuggle in a second option.
+_OPTION_RE = re.compile(r"[a-z][a-z0-9-]*([= ][\w.,:+/-]+)?", re.ASCII)
+# Options that make CRIU (running as root) execute something or write/read files we did not pick.
+_FORBIDDEN_OPTIONS = {"action-script", "exec-cmd", "log-file", "output", "config", "images-dir",
+                      "work-dir", "pidfile", "root", "inherit-fd", "status-fd", "pre-dump", "restore-detached"}
+
+
 def criu_config_path(run_dir: Path, container_id: str) -> Path:
+    if not _ID_RE.fullmatch(container_id) or container_id in (".", ".."):
+        raise UsageError(f"container id {container_id[:80]!r} is not valid (letters, digits, '_', '+', '-', '.')")
     return run_dir / "criu" / f"{container_id}.conf"
 
 
@@ -34,7 +49,12 @@ def options_from_annotations(annotations: dict[str, str]) -> list[str]:
     if annotations.get(TCP_ESTABLISHED_ANNOTATION, "").strip().lower() in _TRUE:
         options.append("tcp-established")
     for extra in annotations.get(EXTRA_OPTIONS_ANNOTATION, "").split(","):
-        extra = extra.strip().lstrip("-")
+        extra = extra.strip(" ").lstrip("-")
+        if extra and (not _OPTION_RE.fullmatch(extra) or re.split("[= ]", extra, maxsplit=1)[0] in _FORBIDDEN_OPTIONS):
+            raise UsageError(
+                f"annotation {EXTRA_OPTIONS_ANNOTATION}: CRIU option {extra[:80]!r} is not allowed "
+                "(one plain long option per comma; no options that run programs or name files)"
+            )
         if extra and extra not in options:
             options.append(extra)
     return options

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import platform
 import shutil
 import socket
@@ -150,7 +151,24 @@ def default_ref(container: ContainerInfo) -> str:
 def work_dir(settings: Settings) -> Path:
     base = settings.state_dir / "tmp"
     base.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="work-", dir=base))
+    _remove_dead_work_dirs(base)
+    # The owner's PID in the name: a work dir holds a whole CRIU image (plain process memory),
+    # and one left by a killed gpusnap must not stay on disk (see _remove_dead_work_dirs).
+    return Path(tempfile.mkdtemp(prefix=f"work-{os.getpid()}-", dir=base))
+
+
+def _remove_dead_work_dirs(base: Path) -> None:
+    for d in base.glob("work-*-*"):
+        try:
+            pid = int(d.name.split("-")[1])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)  # its gpusnap was killed before cleaning up
+        except PermissionError:
+            pass  # alive, someone else's
 
 
 def checkpoint(
@@ -164,8 +182,12 @@ def checkpoint(
     insecure: bool = False,
     progress: Progress = _quiet,
     ref: str | None = None,
+    encryption: Any = None,
 ) -> CheckpointOutcome:
+    """``encryption``: a gpusnap.packaging.crypto.EncryptionConfig; every stored layer is sealed."""
     opts = opts or CheckpointOptions()
+    if encryption is not None and output is not None:
+        raise UsageError("--encrypt-key/--recipient apply to the store and registry, not to --output; drop one")
     if push and output:
         raise UsageError("--push and --output exclude each other; pick one")
     if output is not None and output.exists():
@@ -216,7 +238,8 @@ def checkpoint(
     def store() -> None:
         local = ref or push or default_ref(info)
         progress(f"storing {local}")
-        stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"], compress=opts.compress)
+        sealed = {"encryption": encryption} if encryption is not None else {}
+        stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"], compress=opts.compress, **sealed)
         state["ref"] = local
         state["stored"] = stored
 
@@ -275,7 +298,10 @@ def restore(
     insecure: bool = False,
     progress: Progress = _quiet,
     ip: str | None = None,
+    decryption: Any = None,
 ) -> RestoreOutcome:
+    """``decryption``: gpusnap.packaging.crypto.DecryptionKeys for an encrypted checkpoint."""
+    keys = {"decryption": decryption} if decryption is not None else {}
     path = Path(source)
     facts = gather(settings)
     work = work_dir(settings)
@@ -293,14 +319,14 @@ def restore(
                 # Refuse before the pull changes the store: the artifact's config (its
                 # metadata) is a small blob read straight from the registry.
                 progress(f"checking {source}")
-                require_compatible(_remote_metadata(source, insecure), facts, what=source)
-            ref = _local_or_pull(api, settings, source, insecure, progress)
-            info = api.inspect(settings.store_dir, ref)
+                require_compatible(_remote_metadata(source, insecure, decryption), facts, what=source)
+            ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
+            info = api.inspect(settings.store_dir, ref, **keys)
             form = _artifact_form(info)
             meta = _artifact_metadata(info)
             require_compatible(meta, facts, what=source)
             progress(f"unpacking {source}")
-            local = Path(api.materialize_checkpoint(settings.store_dir, ref, work / "checkpoint", form=form))
+            local = Path(api.materialize_checkpoint(settings.store_dir, ref, work / "checkpoint", form=form, **keys))
         eng = engine_for_form(form, settings) if engine == "auto" else make_engine(engine, settings)
         if eng.form != form:
             raise UsageError(f"{source} is a {form} checkpoint, which the {eng.name} engine cannot restore; use --engine auto")
@@ -326,8 +352,12 @@ def _in_store(api: Any, settings: Settings, ref: str) -> bool:
         return False
 
 
-def _remote_metadata(remote: str, insecure: bool) -> CheckpointMetadata:
-    """The checkpoint metadata in a remote artifact's config blob, without pulling its layers."""
+def _remote_metadata(remote: str, insecure: bool, decryption: Any = None) -> CheckpointMetadata:
+    """The checkpoint metadata in a remote artifact's config blob, without pulling its layers.
+
+    An encrypted artifact's config is sealed: the keys are checked against the manifest first
+    (a wrong or missing key fails here, before anything is downloaded), then it is decrypted in memory.
+    """
     import hashlib
 
     from gpusnap.packaging.registry import RegistryClient, RemoteRef
@@ -336,7 +366,8 @@ def _remote_metadata(remote: str, insecure: bool) -> CheckpointMetadata:
     client = RegistryClient(source.registry, insecure=insecure)
     data, _media, _digest = client.get_manifest(source.repository, source.reference)
     try:
-        config_desc = json.loads(data)["config"]
+        manifest = json.loads(data)
+        config_desc = manifest["config"]
     except (ValueError, KeyError, TypeError):
         raise GpusnapError(f"{remote} is not a gpusnap checkpoint (its manifest has no config); check the reference") from None
     if int(config_desc.get("size", 0)) > 16 << 20:
@@ -347,6 +378,17 @@ def _remote_metadata(remote: str, insecure: bool) -> CheckpointMetadata:
         from gpusnap.errors import IntegrityError
 
         raise IntegrityError(f"the config blob of {remote} does not match its digest {config_desc['digest']}; the registry served other bytes")
+    if str(config_desc.get("mediaType", "")).endswith("+encrypted"):
+        import io
+
+        from gpusnap.packaging import crypto
+        from gpusnap.packaging.encrypted import check_keys_fit
+
+        keys = decryption or crypto.DecryptionKeys()
+        check_keys_fit(manifest, keys)
+        out = io.BytesIO()
+        crypto.decrypt_stream(io.BytesIO(blob), out, annotations=config_desc.get("annotations") or {}, keys=keys)
+        blob = out.getvalue()
     try:
         config = json.loads(blob)
     except ValueError:
@@ -380,7 +422,7 @@ def _proc_fields(p: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in p.items() if k in keys}
 
 
-def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progress: Progress) -> str:
+def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progress: Progress, **keys: Any) -> str:
     """The reference in the local store, pulling it (only missing blobs) when it is not there."""
     try:
         api.inspect(settings.store_dir, ref)
@@ -389,7 +431,7 @@ def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progr
         pass
     progress(f"pulling {ref}")
     with _transfer(progress, f"pull {ref}") as bar:
-        pulled = api.pull(settings.store_dir, ref, insecure=insecure, progress=bar)
+        pulled = api.pull(settings.store_dir, ref, insecure=insecure, progress=bar, **keys)
     return str(pulled or ref)
 
 

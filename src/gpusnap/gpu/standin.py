@@ -19,7 +19,7 @@ processes new host PIDs, the state lives in files under ``<dir>`` keyed by a tok
   ``memory_total_bytes``, ``memory_free_bytes``, ``mig_enabled``, ``driver_version``,
   ``cuda_version``; and ``remap`` (bool, default true) in ``driver.json``;
 - ``faults.json`` (optional): injected failures, a list of ``{"call": "lock"|"checkpoint"|
-  "restore"|"unlock", "token": "<token>"|"*", "error": "failed"|"timeout"|"not_supported",
+  "restore"|"unlock", "token": "<token>"|"*", "error": "failed"|"timeout"|"not_supported"|"delay:<seconds>",
   "times": N}``; each match consumes one of ``times`` (default 1).
 
 Other environment markers of a stand-in CUDA process: ``GPUSNAP_STANDIN_GPU_MB`` (device memory
@@ -152,6 +152,11 @@ class StandinBackend:
             fault = self._take_fault(call, token)
             if fault is None and call == "checkpoint" and environ(self.host.proc, pid).get(MANAGED_ENV) == "1":
                 fault = "not_supported"
+            if fault is not None and fault.startswith("delay:"):
+                # A slow driver call (fault-injection tests kill the runtime while it waits).
+                self._log(call, token, pid, f"INJECTED({fault})")
+                time.sleep(float(fault.split(":", 1)[1]))
+                fault = None
             if fault is not None:
                 self._log(call, token, pid, f"INJECTED({fault})")
                 if fault == "timeout":

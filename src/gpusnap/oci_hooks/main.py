@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ STABLE_LIB_DIR = "/usr/local/gpusnap/driver/lib"  # same value as gpusnap.ocispe
 LD_CONF_NAME = "000-gpusnap-driver.conf"
 ANN_ASSIGNED = "gpusnap.io/assigned-gpus"
 ANN_VENDOR = "gpusnap.io/gpu-vendor"
+_ID_RE = re.compile(r"[\w+\-.]{1,1024}", re.ASCII)
 
 
 @dataclass
@@ -59,11 +61,16 @@ def parse_state(text: str) -> State:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"stdin is not the OCI state JSON ({exc.msg} at char {exc.pos}); run gpusnap-hook only as an OCI hook") from None
+    except RecursionError:
+        raise UsageError("stdin is JSON nested too deeply to be an OCI state; run gpusnap-hook only as an OCI hook") from None
     if not isinstance(doc, dict):
         raise UsageError("stdin is not a JSON object; run gpusnap-hook only as an OCI hook")
     for key in ("ociVersion", "id", "status", "bundle"):
         if not isinstance(doc.get(key), str) or not doc[key]:
             raise UsageError(f"OCI state on stdin lacks a non-empty string {key!r}; run gpusnap-hook only as an OCI hook")
+    # The id names files under the state and run dirs: only runc's id alphabet, never a path.
+    if not _ID_RE.fullmatch(doc["id"]) or doc["id"] in (".", ".."):
+        raise UsageError(f"OCI state id {doc['id'][:80]!r} is not a container id (letters, digits, '_', '+', '-', '.')")
     if doc["status"] not in STATUSES:
         raise UsageError(f"OCI state status {doc['status']!r} is not one of {', '.join(STATUSES)}")
     if not doc["bundle"].startswith("/"):

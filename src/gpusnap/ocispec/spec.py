@@ -32,6 +32,8 @@ def load_spec(path: Path) -> dict[str, Any]:
         spec = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); {FIX_HINT}") from None
+    except RecursionError:
+        raise UsageError(f"{path}: JSON nested too deeply; {FIX_HINT}") from None
     if not isinstance(spec, dict):
         raise UsageError(f"{path}: the top level must be a JSON object; {FIX_HINT}")
     return spec

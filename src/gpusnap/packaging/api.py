@@ -7,13 +7,16 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpusnap.errors import NotFoundError, UsageError
 from gpusnap.metadata import CheckpointMetadata
 from gpusnap.packaging import artifact as fmt
 from gpusnap.packaging.progress import Progress
 from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, Descriptor, OciStore, normalize_ref
+
+if TYPE_CHECKING:
+    from gpusnap.packaging.crypto import DecryptionKeys, EncryptionConfig
 
 __all__ = [
     "ArtifactInfo",
@@ -107,8 +110,13 @@ def store_checkpoint(
     metadata: CheckpointMetadata | dict[str, Any] | None = None,
     compress: bool = False,
     parent: str | None = None,
+    encryption: EncryptionConfig | None = None,
 ) -> StoredCheckpoint:
-    """Package a checkpoint (directory or podman archive) as an artifact tagged ``ref`` in the store."""
+    """Package a checkpoint (directory or podman archive) as an artifact tagged ``ref`` in the store.
+
+    ``encryption``: seal every layer (gpusnap.packaging.encrypted) before the tag appears; the
+    plaintext blobs are then garbage-collected so only ciphertext stays at rest.
+    """
     _check_form(form)
     source = Path(source)
     ref = normalize_ref(ref)
@@ -125,18 +133,36 @@ def store_checkpoint(
     with store.writing():
         try:
             built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest)
+            manifest_digest, manifest_size = built.manifest_digest, built.manifest_size
+            if encryption is not None:
+                from gpusnap.packaging.encrypted import encrypt_manifest
+
+                manifest_digest, manifest_size = encrypt_manifest(store, manifest_digest, encryption)
         except BaseException:
             store.discard_pending()
             raise
-        store.tag(ref, Descriptor(MEDIA_OCI_MANIFEST, built.manifest_digest, built.manifest_size, artifact_type=fmt.ARTIFACT_TYPE))
+        store.tag(ref, Descriptor(MEDIA_OCI_MANIFEST, manifest_digest, manifest_size, artifact_type=fmt.ARTIFACT_TYPE))
+    if encryption is not None:
+        store.gc()  # the plaintext blobs are garbage now: only ciphertext stays at rest
     total = built.manifest_size + built.config_size + sum(d.size for d in built.layers)
-    return StoredCheckpoint(ref, built.manifest_digest, total, built.new_bytes, len(built.layers))
+    return StoredCheckpoint(ref, manifest_digest, total, built.new_bytes, len(built.layers))
 
 
-def materialize_checkpoint(store_dir: Path, ref: str, dest: Path, *, form: str) -> Path:
-    """Rebuild a checkpoint from the store: a directory (criu-dir, docker-dir) or an archive file."""
+def materialize_checkpoint(store_dir: Path, ref: str, dest: Path, *, form: str, decryption: DecryptionKeys | None = None) -> Path:
+    """Rebuild a checkpoint from the store: a directory (criu-dir, docker-dir) or an archive file.
+
+    An encrypted checkpoint is decrypted into a private temporary store beside ``dest`` first.
+    """
     _check_form(form)
     store = OciStore(Path(store_dir))
+    from gpusnap.packaging.encrypted import decrypted_store, is_encrypted_manifest
+
+    if is_encrypted_manifest(store.manifest(store.resolve(ref).digest)):
+        from gpusnap.packaging.crypto import DecryptionKeys as _Keys
+
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        with decrypted_store(store, ref, decryption or _Keys(), workdir=Path(dest).parent) as (plain, plain_ref):
+            return materialize_checkpoint(plain.root, plain_ref, dest, form=form)
     art = fmt.load(store, store.resolve(ref).digest)
     src_form = art.config.get("form")
     dest = Path(dest)
@@ -218,9 +244,18 @@ def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descr
     )
 
 
-def inspect(store_dir: Path, ref: str) -> ArtifactInfo:
+def inspect(store_dir: Path, ref: str, *, decryption: DecryptionKeys | None = None) -> ArtifactInfo:
+    """What the artifact ``ref`` holds. An encrypted one shows its full config only with
+    ``decryption``; without it, what its manifest annotations say (form, engine, host)."""
     store = OciStore(Path(store_dir))
     desc = store.resolve(ref)
+    manifest = store.manifest(desc.digest)
+    from gpusnap.packaging import encrypted
+
+    if encrypted.is_encrypted_manifest(manifest):
+        config = encrypted.decrypt_config(store, manifest, decryption) if decryption else encrypted.config_from_annotations(manifest)
+        layers = [Descriptor.from_dict(x) for x in manifest.get("layers", [])]
+        return _info_from(ref, desc.digest, config, layers, manifest.get("annotations", {}))
     art = fmt.load(store, desc.digest)
     return _info_from(ref, desc.digest, art.config, art.layers, art.manifest.get("annotations", {}))
 
@@ -340,20 +375,52 @@ def make_podman_image(store_dir: Path, ref: str, image_ref: str) -> StoredCheckp
 
 
 # Re-exported here because they are part of the packaging API (registry.py holds the code).
-def push(store_dir: Path, ref: str, remote: str, *, insecure: bool = False, progress: Progress | None = None, subject: str | None = None) -> PushResult:
+def push(store_dir: Path, ref: str, remote: str, *, insecure: bool = False, progress: Progress | None = None, subject: str | None = None,
+         encryption: EncryptionConfig | None = None) -> PushResult:
     """Upload the artifact ``ref`` to ``remote`` (``host[:port]/repo[:tag]``).
 
     ``subject``: an image reference in the same repository (e.g. the application image); the
     artifact is attached to it through the manifest's ``subject`` and the referrers API.
+    ``encryption``: push an encrypted copy of a plaintext checkpoint (nothing readable leaves).
     """
     from gpusnap.packaging.registry import push_artifact
 
-    return push_artifact(OciStore(Path(store_dir)), ref, remote, insecure=insecure, progress=progress, subject=subject)
+    store = OciStore(Path(store_dir))
+    if encryption is None:
+        return push_artifact(store, ref, remote, insecure=insecure, progress=progress, subject=subject)
+    from gpusnap.packaging.encrypted import encrypt_tag, is_encrypted_manifest
+
+    if is_encrypted_manifest(store.manifest(store.resolve(ref).digest)):
+        return push_artifact(store, ref, remote, insecure=insecure, progress=progress, subject=subject)
+    tmp_ref = f"{normalize_ref(ref)}-encrypting-{os.getpid()}"
+    encrypt_tag(store, ref, encryption, new_ref=tmp_ref)
+    try:
+        return push_artifact(store, tmp_ref, remote, insecure=insecure, progress=progress, subject=subject)
+    finally:
+        store.untag(tmp_ref)
 
 
-def pull(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None) -> str:
-    """Download ``remote`` into the store, verifying every byte; returns the local ref (= ``remote``)."""
-    from gpusnap.packaging.registry import pull_artifact
+def pull(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None,
+         decryption: DecryptionKeys | None = None) -> str:
+    """Download ``remote`` into the store, verifying every byte; returns the local ref (= ``remote``).
 
-    return pull_artifact(OciStore(Path(store_dir)), remote, insecure=insecure, progress=progress)
+    ``decryption``: for an encrypted checkpoint, check that one of these keys opens it before
+    downloading anything (it stays encrypted at rest; restore decrypts it).
+    """
+    from gpusnap.packaging.registry import RegistryClient, RemoteRef, pull_artifact
+
+    client = None
+    if decryption is not None:
+        from gpusnap.packaging.encrypted import check_keys_fit
+
+        source = RemoteRef.parse(remote)
+        client = RegistryClient(source.registry, insecure=insecure)
+        data, _, _ = client.get_manifest(source.repository, source.reference)
+        try:
+            manifest = json.loads(data)
+        except ValueError:
+            manifest = None  # not JSON: pull_artifact reports it
+        if isinstance(manifest, dict):
+            check_keys_fit(manifest, decryption)
+    return pull_artifact(OciStore(Path(store_dir)), remote, insecure=insecure, progress=progress, client=client)
 

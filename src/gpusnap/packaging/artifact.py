@@ -35,7 +35,7 @@ import zstandard
 from gpusnap.errors import IntegrityError, NotFoundError, UsageError
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata
 from gpusnap.packaging import chunker, pstree
-from gpusnap.packaging.safetar import check_member
+from gpusnap.packaging.safetar import LinkTracker, check_member
 from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, BlobWriter, Descriptor, OciStore, sha256_digest
 
 FORMS = ("criu-dir", "podman-archive", "docker-dir")
@@ -110,9 +110,11 @@ def iter_archive(path: Path) -> Iterator[Entry]:
             tar = tarfile.open(fileobj=stream, mode="r|")
         except tarfile.TarError as exc:
             raise UsageError(f"{path}: not a tar archive (plain, gzip or zstd) ({exc}); give a `podman container checkpoint --export` file") from None
+        links = LinkTracker()
         with tar:
             for member in tar:
                 name = check_member(member, what=str(path))
+                links.check(member, name, what=str(path))
                 if name == ".":
                     continue
                 yield Entry(name, member, tar.extractfile(member) if member.isreg() else None)
@@ -421,7 +423,12 @@ def load(store: OciStore, digest: str) -> LoadedArtifact:
     if manifest.get("artifactType") != ARTIFACT_TYPE and (manifest.get("config") or {}).get("mediaType") != MEDIA_CONFIG:
         raise UsageError(f"{digest} is not a gpusnap checkpoint artifact (artifactType {manifest.get('artifactType')!r})")
     cfg_desc = Descriptor.from_dict(manifest["config"])
-    config = json.loads(store.read_bytes(cfg_desc.digest))
+    try:
+        config = json.loads(store.read_bytes(cfg_desc.digest))
+    except (ValueError, RecursionError):
+        config = None
+    if not isinstance(config, dict):
+        raise IntegrityError(f"checkpoint config {cfg_desc.digest} is not a JSON object; the artifact is corrupt")
     if config.get("schemaVersion") != CONFIG_SCHEMA_VERSION:
         raise UsageError(f"checkpoint config schema {config.get('schemaVersion')} is not supported by this gpusnap; upgrade gpusnap")
     return LoadedArtifact(digest, manifest, config, [Descriptor.from_dict(x) for x in manifest.get("layers", [])])
@@ -540,7 +547,10 @@ def iter_tree(store: OciStore, art: LoadedArtifact, prefix: str | None) -> Itera
         chunks = groups.get(f["path"], [])
         if sum(int(c.annotations.get(A_LENGTH, 0)) for c in chunks) != int(f["size"]):
             raise IntegrityError(f"{f['path']}: chunks do not add up to {f['size']} bytes; the artifact is corrupt")
-        ti = _file_info(f)
+        try:
+            ti = _file_info(f)
+        except (KeyError, TypeError, ValueError):
+            raise IntegrityError(f"checkpoint config lists a malformed file entry {str(f)[:100]}; the artifact is corrupt") from None
         ti.name = name
         yield ti, io.BufferedReader(_ChunkReader(store, chunks), 1 << 20)
 

@@ -172,11 +172,14 @@ class RegistryClient:
             raise RegistryError(self._denied_message(r.status_code))
         if r.status_code != 200:
             raise RegistryError(f"token service of {self.registry} answered HTTP {r.status_code}")
-        body = r.json()
-        token = body.get("token") or body.get("access_token")
-        if not token:
-            raise RegistryError(f"token service of {self.registry} returned no token")
-        return str(token)
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        token = (body.get("token") or body.get("access_token")) if isinstance(body, dict) else None
+        if not token or not isinstance(token, str):
+            raise RegistryError(f"token service of {self.registry} returned no token (not a JSON object with a token string)")
+        return token
 
     def _denied_message(self, status: int) -> str:
         if self.creds:
@@ -249,7 +252,10 @@ class RegistryClient:
         with r:
             if r.status_code == 404:
                 raise NotFoundError(f"{self.registry}/{repo}:{reference} does not exist in the registry")
-            data = _read_limited(r, MAX_MANIFEST)
+            try:
+                data = _read_limited(r, MAX_MANIFEST)
+            except requests.RequestException as exc:
+                raise RegistryError(f"manifest download from {self.registry}/{repo} broke off ({exc}); try again") from None
         digest = sha256_digest(data)
         if reference.startswith("sha256:") and digest != reference:
             raise IntegrityError(f"manifest from {self.registry}/{repo}@{reference} has digest {digest}; refusing it")
@@ -370,8 +376,10 @@ class RegistryClient:
         r = self.request("PUT", _with_query(url, digest=desc.digest), scope=scope, ok=(201,), headers={"Content-Length": "0"})
         r.close()
 
-    def download_blob(self, repo: str, desc: Descriptor, store: OciStore, progress: Progress) -> bool:
+    def download_blob(self, repo: str, desc: Descriptor, store: OciStore, progress: Progress, _restarts: int = 0) -> bool:
         """Stream a blob into the store; True if it was added (False: it was already there)."""
+        if _restarts > self.retries:
+            raise RegistryError(f"download of {desc.digest} from {self.registry} kept breaking off and the registry ignores Range; try again later")
         if store.has_blob(desc.digest):
             progress.advance(desc.size)
             return False
@@ -389,7 +397,7 @@ class RegistryClient:
                         if w.size and r.status_code == 200:  # the server ignored Range: start over
                             progress.advance(-w.size)
                             w.abort()
-                            return self.download_blob(repo, desc, store, progress)
+                            return self.download_blob(repo, desc, store, progress, _restarts + 1)
                         for data in r.iter_content(READ_SIZE):
                             if w.size + len(data) > desc.size:
                                 raise IntegrityError(f"blob {desc.digest} from {self.registry} is larger than its descriptor says; refusing it")
@@ -582,7 +590,18 @@ def push_artifact(
 
     try:
         _parallel(one, list(blobs.values()), client.workers)
-        r = client.put_manifest(repo, target.tag or "latest", manifest_bytes, manifest.get("mediaType", MEDIA_OCI_MANIFEST))
+        for attempt in range(3):
+            try:
+                r = client.put_manifest(repo, target.tag or "latest", manifest_bytes, manifest.get("mediaType", MEDIA_OCI_MANIFEST))
+                break
+            except RegistryError as exc:
+                # Seen under load (100 pushes sharing a blob, distribution 2.8): a blob that HEAD
+                # reported, or whose PUT was acknowledged, is "unknown" to the manifest check.
+                # Check every blob again, upload what is missing, and put the manifest again.
+                if "BLOB_UNKNOWN" not in str(exc) or attempt == 2:
+                    raise
+                time.sleep(client.backoff_s * (attempt + 1))
+                _parallel(one, list(blobs.values()), client.workers)
         got = r.headers.get("Docker-Content-Digest")
         if got and got != desc.digest:
             raise IntegrityError(f"{target.registry} stored the manifest as {got}, expected {desc.digest}")
@@ -616,6 +635,22 @@ def _parallel(fn: Callable[[Descriptor], Any], items: list[Descriptor], workers:
     return results
 
 
+def _check_manifest_shape(manifest: Any, remote: str) -> None:
+    """Refuse what is not an image manifest before a byte of its blobs is fetched."""
+    if not isinstance(manifest, dict):
+        raise IntegrityError(f"manifest of {remote} is not a JSON object; refusing it")
+    if manifest.get("schemaVersion") != 2:
+        raise IntegrityError(f"manifest of {remote} has schemaVersion {manifest.get('schemaVersion')!r}, not 2; refusing it")
+    media = manifest.get("mediaType", MEDIA_OCI_MANIFEST)
+    if media not in (MEDIA_OCI_MANIFEST, MEDIA_DOCKER_MANIFEST):
+        raise UsageError(f"{remote} is a {media}, not a checkpoint manifest")
+    if not isinstance(manifest.get("config"), dict):
+        raise IntegrityError(f"manifest of {remote} has no config descriptor; refusing it")
+    layers = manifest.get("layers", [])
+    if not isinstance(layers, list) or not all(isinstance(d, dict) for d in layers):
+        raise IntegrityError(f"manifest of {remote} has malformed layers; refusing it")
+
+
 def pull_artifact(
     store: OciStore,
     remote: str,
@@ -632,8 +667,9 @@ def pull_artifact(
         raise UsageError(f"{remote} is an index of several images, not a checkpoint; pull one manifest by digest")
     try:
         manifest = json.loads(data)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         raise IntegrityError(f"manifest of {remote} is not JSON") from None
+    _check_manifest_shape(manifest, remote)
     blobs: dict[str, Descriptor] = {}
     for d in [manifest.get("config"), *manifest.get("layers", [])]:
         if d:

@@ -13,6 +13,7 @@ takes it exclusively, so garbage collection never deletes blobs of a checkpoint 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from gpusnap.errors import IntegrityError, NotFoundError, UsageError
+from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, UsageError
 
 MEDIA_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 MEDIA_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -109,6 +110,13 @@ def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def _storage_error(exc: OSError, root: Path) -> GpusnapError:
+    """A full or failing disk under the store as one line (the partial blob is discarded)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return GpusnapError(f"no space left in the store {root} ({exc.strerror}); free space or run `gpusnap gc`, then try again")
+    return GpusnapError(f"cannot write to the store {root}: {exc.strerror or exc}; check the disk and permissions")
+
+
 class BlobWriter:
     """A file in ``ingest/`` hashed as it is written; :meth:`commit` makes it a visible blob."""
 
@@ -126,7 +134,10 @@ class BlobWriter:
             # An aborted layer's tar/zstd writers may still flush when garbage-collected.
             return len(data)
         self._hash.update(data)
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            raise _storage_error(exc, self._store.root) from None
         self.size += len(data)
         return len(data)
 
@@ -149,11 +160,14 @@ class BlobWriter:
                 raise IntegrityError(
                     f"blob {digest} size mismatch: expected {expected_size} bytes, got {self.size}; the data was discarded"
                 )
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:
+                raise _storage_error(exc, self._store.root) from None
             if self._store.has_blob(digest):
                 self._path.unlink()
             else:
-                os.chmod(self._path, 0o644)
+                os.chmod(self._path, 0o600)
                 self._store._add_pending(digest, self._path)
             self._done = True
             return digest
@@ -163,7 +177,10 @@ class BlobWriter:
 
     def abort(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass  # closing flushes the buffer; on a full disk that fails too, and the data goes anyway
         self._path.unlink(missing_ok=True)
         self._done = True
 
@@ -190,8 +207,15 @@ class OciStore:
         self._pending_lock = threading.Lock()
         self.blobs_dir = self.root / "blobs" / "sha256"
         self.ingest_dir = self.root / "ingest"
-        for d in (self.blobs_dir, self.ingest_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        # Checkpoints hold whole process memories: only the owner may read the store (0700 dirs,
+        # 0600 files). mkdir's mode is masked by the umask, hence the explicit chmod.
+        fresh = not self.root.exists()
+        for d in (self.root, self.root / "blobs", self.blobs_dir, self.ingest_dir):
+            if not d.exists():
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+                os.chmod(d, 0o700)
+        if fresh:
+            os.chmod(self.root, 0o700)
         layout = self.root / "oci-layout"
         if not layout.exists():
             self._atomic_write(layout, json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
@@ -270,7 +294,7 @@ class OciStore:
     # ---- locks --------------------------------------------------------------------------------
     @contextmanager
     def _flock(self, name: str, mode: int) -> Iterator[None]:
-        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, mode)
             yield
@@ -292,8 +316,11 @@ class OciStore:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
+            os.chmod(tmp, 0o600)
             os.replace(tmp, path)
+        except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise _storage_error(exc, self.root) from None
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -1,0 +1,39 @@
+"""Runs one packaging operation in its own process, printing bytes moved, so a test can kill -9
+it at a chosen point: ``python gs_rel_transfer.py push|pull|store STORE REF|SRC REMOTE|REF``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from gpusnap.packaging import api
+from gpusnap.packaging.progress import NullProgress
+
+
+class Printing(NullProgress):
+    def __init__(self) -> None:
+        self.moved = 0
+        self.step = 0
+
+    def advance(self, n: int) -> None:
+        self.moved += n
+        if self.moved >= self.step:
+            print(self.moved, flush=True)
+            self.step = self.moved + (256 << 10)
+
+
+def main(argv: list[str]) -> int:
+    op, store = argv[1], Path(argv[2])
+    if op == "push":
+        api.push(store, argv[3], argv[4], insecure=True, progress=Printing())
+    elif op == "pull":
+        api.pull(store, argv[3], insecure=True, progress=Printing())
+    elif op == "store":
+        print(0, flush=True)
+        api.store_checkpoint(store, Path(argv[3]), form="criu-dir", ref=argv[4])
+    print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

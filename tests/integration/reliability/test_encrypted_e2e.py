@@ -1,0 +1,103 @@
+"""Encrypted checkpoints end to end, as a user runs them: `gpusnap checkpoint --encrypt-key
+--push` of a real container (runc-direct engine, real CRIU, real registry), then restore from
+the registry on a clean store with a wrong key (refused before anything is downloaded), with no
+key, and with the right one (the counter continues)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gs_rel_registry import Registry  # noqa: E402
+
+from gpusnap.errors import ExitCode  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runc"), reason="needs root and runc")]
+GPUSNAP = str(Path(sys.executable).parent / "gpusnap")
+MARK = "gs-rel-secret-marker"
+COUNTER = f"M={MARK}; i=0; while true; do echo $i; i=$((i+1)); sleep 0.3; done"
+
+
+@pytest.fixture
+def registry(tmp_path: Path):  # type: ignore[no-untyped-def]
+    reg = Registry(tmp_path / "registry").start()
+    yield reg
+    reg.kill()
+
+
+def _gs(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([GPUSNAP, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def _numbers(env: dict[str, str], name: str) -> list[int]:
+    out = _gs(env, "logs", name).stdout
+    return [int(x) for x in out.split() if x.isdigit()]
+
+
+def _wait_numbers(env: dict[str, str], name: str, n: int) -> list[int]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        nums = _numbers(env, name)
+        if len(nums) >= n:
+            return nums
+        time.sleep(0.3)
+    raise AssertionError(f"{name}: fewer than {n} numbers: {_numbers(env, name)}")
+
+
+def test_encrypted_checkpoint_push_and_restore(tmp_path: Path, registry: Registry, ledger) -> None:  # type: ignore[no-untyped-def]
+    root = tmp_path / "gs"
+    env = {**os.environ, "GPUSNAP_RUN_DIR": str(root / "run"), "GPUSNAP_STATE_DIR": str(root / "state"),
+           "GPUSNAP_STORE": str(root / "store"), "GPUSNAP_CONFIG": str(root / "none.toml"), "COLUMNS": "100"}
+    key, wrong = tmp_path / "key", tmp_path / "wrong"
+    for k in (key, wrong):
+        k.write_text(os.urandom(32).hex())
+        k.chmod(0o600)
+    name = f"gs-rel-enc-{uuid.uuid4().hex[:6]}"
+    ref = f"{registry.host}/gs-rel/enc:v1"
+    try:
+        r = _gs(env, "run", name, "--", "sh", "-c", COUNTER)
+        assert r.returncode == 0, r.stderr
+        _wait_numbers(env, name, 4)
+        r = _gs(env, "checkpoint", name, "--push", ref, "--insecure", "--encrypt-key", str(key))
+        assert r.returncode == 0, r.stderr
+        last = _numbers(env, name)[-1]
+        # What reached the registry: every layer sealed, the marker nowhere in any blob.
+        m = requests.get(f"http://{registry.host}/v2/gs-rel/enc/manifests/v1", headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10).json()
+        assert m["layers"] and all(d["mediaType"].endswith("+encrypted") for d in m["layers"])
+        for d in m["layers"]:
+            blob = requests.get(f"http://{registry.host}/v2/gs-rel/enc/blobs/{d['digest']}", timeout=60).content
+            assert MARK.encode() not in blob
+        # The local store holds ciphertext only, too.
+        for blob in (root / "store" / "blobs" / "sha256").iterdir():
+            assert MARK.encode() not in blob.read_bytes()
+        _gs(env, "delete", name)
+        shutil.rmtree(root / "store")
+
+        r = _gs(env, "restore", ref, "--name", name, "--insecure", "--decrypt-key", str(wrong))
+        assert r.returncode == ExitCode.INTEGRITY, r.stderr
+        assert "wrong key" in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+        blobs = root / "store" / "blobs" / "sha256"
+        assert not blobs.exists() or not any(blobs.iterdir()), "a wrong key must fail before anything is downloaded"
+
+        r = _gs(env, "restore", ref, "--name", name, "--insecure")
+        assert r.returncode == ExitCode.USAGE and "--decrypt-key" in r.stderr, r.stderr
+
+        r = _gs(env, "restore", ref, "--name", name, "--insecure", "--decrypt-key", str(key))
+        assert r.returncode == 0, r.stderr
+        after = _wait_numbers(env, name, 3)
+        assert last + 1 in after, (last, after)
+        held = True
+    finally:
+        _gs(env, "delete", name)
+    ledger.record("crypto", "end to end: wrong key / no key refused, right key restores", tried=2, refused=2)
+    ledger.record("fault", "restore with a wrong decryption key", passed=int(held), detail="refused before download")

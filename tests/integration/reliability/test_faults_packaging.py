@@ -1,0 +1,238 @@
+"""Faults on the packaging path with the real registry: kill -9 of a push, a pull and a store at
+several points, ENOSPC during pull and store (a small tmpfs), the registry killed and restarted
+mid-push and mid-pull.
+
+For each: no partial artifact visible under a tag (locally or in the registry), the local store
+passes a full digest check, and a retry succeeds with byte-identical content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gs_rel_registry import Registry  # noqa: E402
+
+from gpusnap.errors import GpusnapError  # noqa: E402
+from gpusnap.packaging import api  # noqa: E402
+from gpusnap.packaging.progress import NullProgress  # noqa: E402
+from gpusnap.packaging.registry import RegistryClient, pull_artifact, push_artifact  # noqa: E402
+from gpusnap.packaging.store import OciStore  # noqa: E402
+from gpusnap.packaging.verify import verify_store  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(os.geteuid() != 0, reason="needs root (tmpfs mounts)")]
+DRIVER = Path(__file__).with_name("gs_rel_transfer.py")
+MIB = 40
+
+
+def _ck(path: Path, mib: int = MIB, seed: int = 7) -> Path:
+    path.mkdir(parents=True)
+    rnd = random.Random(seed)
+    with (path / "pages-1.img").open("wb") as f:
+        for _ in range(mib):
+            f.write(rnd.randbytes(1 << 20))
+    (path / "inventory.img").write_bytes(b"inventory %d" % seed)
+    (path / "core-1.img").write_bytes(rnd.randbytes(4096))
+    return path
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "gpusnap.json"}
+
+
+def _lost(src: Path, store: Path, ref: str, out: Path) -> int:
+    """Files of ``src`` missing or different after materializing ``ref`` (the data-lost figure)."""
+    got = _files(api.materialize_checkpoint(store, ref, out, form="criu-dir"))
+    want = _files(src)
+    return sum(1 for k, v in want.items() if got.get(k) != v)
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    reg = Registry(tmp_path / "registry").start()
+    yield reg
+    reg.kill()
+
+
+def _run_and_kill(args: list[str], *, at_bytes: int | None = None, after_s: float | None = None) -> bool:
+    """Run the driver; SIGKILL it once it reports ``at_bytes`` moved (or after ``after_s``).
+    Returns True if it was killed before finishing."""
+    proc = subprocess.Popen([sys.executable, str(DRIVER), *args], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    start = time.monotonic()
+    killed = False
+    for line in proc.stdout:
+        line = line.strip()
+        if line == "done":
+            break
+        if (at_bytes is not None and line.isdigit() and int(line) >= at_bytes) or (after_s is not None and time.monotonic() - start >= after_s):
+            proc.send_signal(signal.SIGKILL)
+            killed = True
+            break
+        if after_s is not None and line == "0":
+            time.sleep(after_s)
+            proc.send_signal(signal.SIGKILL)
+            killed = True
+            break
+    rest = proc.stdout.read() if killed else ""
+    proc.wait(120)
+    # It may have finished between its last report and the signal: that is no fault injected.
+    return killed and "done" not in rest and proc.returncode == -signal.SIGKILL
+
+
+def _store_ok(store: Path) -> None:
+    report = verify_store(OciStore(store))
+    assert report.ok, report.summary()
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.35, 0.7, 0.97])
+def test_kill9_push(tmp_path: Path, registry: Registry, ledger, fraction: float) -> None:  # type: ignore[no-untyped-def]
+    src = _ck(tmp_path / "ck")
+    store = tmp_path / "store"
+    api.store_checkpoint(store, src, form="criu-dir", ref="gs-rel/ck:1")
+    remote = f"{registry.host}/gs-rel/kill-push:1"
+    killed = _run_and_kill(["push", str(store), "gs-rel/ck:1", remote], at_bytes=int(fraction * (MIB << 20)))
+    assert killed, "the push finished before the kill point"
+    assert not registry.has_tag("gs-rel/kill-push", "1"), "a killed push must not leave a tag"
+    _store_ok(store)
+    api.push(store, "gs-rel/ck:1", remote, insecure=True)
+    fresh = tmp_path / "fresh"
+    api.pull(fresh, remote, insecure=True)
+    lost = _lost(src, fresh, remote, tmp_path / "out")
+    ledger.record("fault", "kill -9 push", passed=int(lost == 0), lost=lost, detail="at 5/35/70/97% of bytes")
+    assert lost == 0
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+def test_kill9_pull(tmp_path: Path, registry: Registry, ledger, fraction: float) -> None:  # type: ignore[no-untyped-def]
+    src = _ck(tmp_path / "ck")
+    api.store_checkpoint(tmp_path / "origin", src, form="criu-dir", ref="gs-rel/ck:1")
+    remote = f"{registry.host}/gs-rel/kill-pull:1"
+    api.push(tmp_path / "origin", "gs-rel/ck:1", remote, insecure=True)
+    store = tmp_path / "store"
+    killed = _run_and_kill(["pull", str(store), remote], at_bytes=int(fraction * (MIB << 20)))
+    assert killed
+    s = OciStore(store)
+    assert s.tags() == [], "a killed pull must not leave a tag"
+    _store_ok(store)
+    api.pull(store, remote, insecure=True)
+    lost = _lost(src, store, remote, tmp_path / "out")
+    api.gc(store)
+    assert list(s.ingest_dir.iterdir()) == [], "gc clears what the killed pull left in ingest/"
+    ledger.record("fault", "kill -9 pull", passed=int(lost == 0), lost=lost, detail="at 10/50/90% of bytes")
+    assert lost == 0
+
+
+@pytest.mark.parametrize("after_s", [0.02, 0.15])
+def test_kill9_store(tmp_path: Path, ledger, after_s: float) -> None:  # type: ignore[no-untyped-def]
+    src = _ck(tmp_path / "ck", mib=256)
+    store = tmp_path / "store"
+    api.store_checkpoint(store, _ck(tmp_path / "older", mib=2, seed=1), form="criu-dir", ref="gs-rel/older:1")
+    killed = _run_and_kill(["store", str(store), str(src), "gs-rel/ck:1"], after_s=after_s)
+    assert killed
+    assert [t.ref for t in OciStore(store).tags()] == ["gs-rel/older:1"], "no tag for the killed store; the older one intact"
+    _store_ok(store)
+    api.store_checkpoint(store, src, form="criu-dir", ref="gs-rel/ck:1")
+    lost = _lost(src, store, "gs-rel/ck:1", tmp_path / "out") + _lost(tmp_path / "older", store, "gs-rel/older:1", tmp_path / "out2")
+    ledger.record("fault", "kill -9 store (checkpoint packaging)", passed=int(lost == 0), lost=lost, detail="256 MiB, killed at 0.02/0.15 s")
+    assert lost == 0
+
+
+def _tmpfs(path: Path, size: str) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], check=True)
+    return path
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.mark.parametrize("op", ["pull", "store"])
+def test_enospc(tmp_path: Path, registry: Registry, ledger, op: str) -> None:  # type: ignore[no-untyped-def]
+    src = _ck(tmp_path / "ck")
+    remote = f"{registry.host}/gs-rel/enospc:1"
+    if op == "pull":
+        api.store_checkpoint(tmp_path / "origin", src, form="criu-dir", ref="gs-rel/ck:1")
+        api.push(tmp_path / "origin", "gs-rel/ck:1", remote, insecure=True)
+    small = _tmpfs(tmp_path / "small", "16m")
+    try:
+        store = small / "store"
+        with pytest.raises(GpusnapError) as err:
+            if op == "pull":
+                api.pull(store, remote, insecure=True)
+            else:
+                api.store_checkpoint(store, src, form="criu-dir", ref="gs-rel/ck:1")
+        assert "\n" not in str(err.value) and "space" in str(err.value).lower(), str(err.value)
+        assert OciStore(store).tags() == []
+        _store_ok(store)
+        subprocess.run(["mount", "-o", "remount,size=256m", str(small)], check=True)
+        if op == "pull":
+            api.pull(store, remote, insecure=True)
+            ref = remote
+        else:
+            api.store_checkpoint(store, src, form="criu-dir", ref="gs-rel/ck:1")
+            ref = "gs-rel/ck:1"
+        _store_ok(store)
+        lost = _lost(src, store, ref, tmp_path / "out")
+    finally:
+        _umount(small)
+    ledger.record("fault", f"ENOSPC during {op}", passed=int(lost == 0), lost=lost, detail="16 MiB tmpfs, then grown")
+    assert lost == 0
+
+
+class _RestartAt(NullProgress):
+    """Kills the registry (-9) once ``at`` bytes moved and starts it again ``pause`` s later."""
+
+    def __init__(self, reg: Registry, at: int, pause: float = 1.0) -> None:
+        self.reg, self.at, self.pause = reg, at, pause
+        self.moved = 0
+        self.fired = threading.Event()
+        self.lock = threading.Lock()
+        self.timer: threading.Timer | None = None
+
+    def advance(self, n: int) -> None:
+        with self.lock:
+            self.moved += n
+            if self.moved < self.at or self.fired.is_set():
+                return
+            self.fired.set()
+        self.reg.kill()
+        self.timer = threading.Timer(self.pause, self.reg.start)
+        self.timer.start()
+
+
+@pytest.mark.parametrize("op", ["push", "pull"])
+def test_registry_restarted_mid_transfer(tmp_path: Path, registry: Registry, ledger, op: str) -> None:  # type: ignore[no-untyped-def]
+    src = _ck(tmp_path / "ck", mib=64)
+    store = OciStore(tmp_path / "store")
+    api.store_checkpoint(store.root, src, form="criu-dir", ref="gs-rel/ck:1")
+    remote = f"{registry.host}/gs-rel/restart-{op}:1"
+    client = RegistryClient(registry.host, insecure=True, retries=8, backoff_s=0.3)
+    killer = _RestartAt(registry, at=24 << 20)
+    if op == "push":
+        push_artifact(store, "gs-rel/ck:1", remote, progress=killer, client=client)
+        target = OciStore(tmp_path / "fresh")
+        pull_artifact(target, remote, client=RegistryClient(registry.host, insecure=True))
+    else:
+        api.push(store.root, "gs-rel/ck:1", remote, insecure=True)
+        target = OciStore(tmp_path / "fresh")
+        pull_artifact(target, remote, progress=killer, client=client)
+    if killer.timer is not None:
+        killer.timer.join()
+    assert killer.fired.is_set(), "the registry was never killed: the test proves nothing"
+    _store_ok(target.root)
+    lost = _lost(src, target.root, remote, tmp_path / "out")
+    ledger.record("fault", f"registry killed and restarted mid-{op}", passed=int(lost == 0), lost=lost, detail="retried and resumed in the same call")
+    assert lost == 0
