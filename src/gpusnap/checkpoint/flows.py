@@ -223,12 +223,13 @@ def restore(
     runner = _Foreground(call, args, env) if not detached else None
     # Held until the container runs, not for a foreground container's whole life.
     with operation_lock(settings, call.container_id, error=RestoreError):
-        _restore_locked(call, settings, spec_steps, plan, image_dir, meta, ref, args, env, marker, runner)
+        _restore_locked(call, settings, spec_steps, plan, image_dir, meta, ref, args, env, marker, runner, read_spec, restored_spec)
     return 0 if runner is None else runner.wait()
 
 
 def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan, image_dir: Path, meta: CheckpointMetadata | None,
-                    ref: ContainerRef, args: list[str], env: dict[str, str], marker: Path, runner: "_Foreground | None") -> None:
+                    ref: ContainerRef, args: list[str], env: dict[str, str], marker: Path, runner: "_Foreground | None",
+                    read_spec: Callable[[], None], restored_spec: dict[str, Any]) -> None:
 
     def do_restore() -> None:
         if runner is None:
