@@ -21,7 +21,7 @@ from gpusnap.packaging.store import OciStore
 def _criu_dir(path: Path, seed: int = 1, pages_mib: int = 6) -> Path:
     path.mkdir(parents=True)
     rnd = random.Random(seed)
-    (path / "pages-1.img").write_bytes(rnd.randbytes(pages_mib << 20))
+    (path / "pages-1.img").write_bytes(b"".join(rnd.randbytes(1 << 20) for _ in range(pages_mib)))
     (path / "pages-2.img").write_bytes(b"")
     (path / "core-1.img").write_bytes(b"core")
     (path / "descriptors.json").write_text('["pipe:[1]","pipe:[2]","pipe:[3]"]')
@@ -70,10 +70,10 @@ def test_criu_dir_round_trip_is_byte_identical(tmp_path: Path, compress: bool) -
 
 
 def test_unchanged_memory_is_stored_once(tmp_path: Path) -> None:
-    a = _criu_dir(tmp_path / "a", pages_mib=64)
-    b = _criu_dir(tmp_path / "b", pages_mib=64)
+    a = _criu_dir(tmp_path / "a", pages_mib=256)
+    b = _criu_dir(tmp_path / "b", pages_mib=256)
     pages = bytearray((b / "pages-1.img").read_bytes())
-    pages[30 << 20: (30 << 20) + 4096] = b"\xff" * 4096  # one page changed
+    pages[130 << 20: (130 << 20) + 4096] = b"\xff" * 4096  # one page changed
     (b / "pages-1.img").write_bytes(bytes(pages))
     s1 = api.store_checkpoint(tmp_path / "s", a, form="criu-dir", ref="gs-pkg/a", compress=True)
     s2 = api.store_checkpoint(tmp_path / "s", b, form="criu-dir", ref="gs-pkg/b", compress=True, parent="gs-pkg/a")
