@@ -67,6 +67,49 @@ def container(stack: Stack):  # type: ignore[no-untyped-def]
     c.cleanup()
 
 
+CRIU_REAL = shutil.which("criu") or "/usr/local/sbin/criu"
+SWRK_PER_CHECKPOINT = SWRK_PER_RESTORE = 2  # measured: test_swrk_count
+
+
+@pytest.fixture
+def criu_stack(tmp_path: Path) -> Stack:
+    """A stack whose `criu` records the PID of each `criu swrk` runc starts and holds it for a
+    moment before it execs the real CRIU, so the test kills CRIU itself, never racing its end."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "criu").write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = swrk ]; then echo $$ >> {tools}/criu.pids; sleep 1; fi\n'
+        f'exec {CRIU_REAL} "$@"\n'
+    )
+    (tools / "criu").chmod(0o755)
+    shim = Path(sys.executable).parent / "gpusnap-runtime"
+    return Stack(base=tmp_path / "stack", mode="cpu", gpu_backend=f"standin:{tmp_path / 'standin'}", shim=str(shim),
+                 runc=shutil.which("runc") or "runc", tools_bin=str(tools))
+
+
+@pytest.fixture
+def big_container(criu_stack: Stack):  # type: ignore[no-untyped-def]
+    c = RelContainer(criu_stack, gb=0.25, sleep=0.005)
+    yield c.start()
+    c.cleanup()
+
+
+def _swrk_pids(c: Container) -> list[int]:
+    path = Path(c.stack.tools_bin) / "criu.pids"
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def _kill_criu_when_started(c: Container, nth: int) -> int:
+    """Kill the ``nth`` `criu swrk` runc starts from now on (runc first asks CRIU its version
+    over swrk, then starts the swrk that dumps or restores)."""
+    start = len(_swrk_pids(c))
+    _wait(lambda: len(_swrk_pids(c)) >= start + nth, what=f"runc to start CRIU #{nth}")
+    pid = _swrk_pids(c)[start + nth - 1]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
 def _calls(backend: StandinBackend) -> str:
     path = backend.state_dir / "calls.log"
     return path.read_text() if path.exists() else ""
@@ -201,13 +244,11 @@ def test_kill9_runtime_while_criu_dumps(container, backend, stack, tmp_path, led
     assert held
 
 
-def test_kill9_criu_mid_dump(container, backend, stack, tmp_path, ledger):  # type: ignore[no-untyped-def]
-    c = container
+def test_kill9_criu_mid_dump(big_container, criu_stack, tmp_path, ledger):  # type: ignore[no-untyped-def]
+    c = big_container
+    backend = StandinBackend(Path(criu_stack.gpu_backend.split(":", 1)[1]))
     proc = _start(c, "checkpoint", tmp_path / "img")
-    _wait(lambda: _criu_of(proc.pid) is not None or proc.poll() is not None, what="CRIU to start")
-    criu = _criu_of(proc.pid)
-    assert criu is not None, "the checkpoint ended before CRIU could be caught"
-    os.kill(criu, signal.SIGKILL)
+    _kill_criu_when_started(c, nth=SWRK_PER_CHECKPOINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert c.state()["status"] == "running"
@@ -253,18 +294,15 @@ def test_kill9_runtime_at_gpu_restore(container, backend, stack, tmp_path, ledge
     assert held
 
 
-def test_kill9_criu_mid_restore(container, backend, stack, tmp_path, ledger):  # type: ignore[no-untyped-def]
-    c = container
+def test_kill9_criu_mid_restore(big_container, criu_stack, tmp_path, ledger):  # type: ignore[no-untyped-def]
+    c = big_container
+    backend = StandinBackend(Path(criu_stack.gpu_backend.split(":", 1)[1]))
     img = tmp_path / "img"
     assert c.checkpoint(img).rc == 0
     c.delete()
     proc = _start(c, "restore", img)
-    _wait(lambda: _criu_of(proc.pid) is not None or proc.poll() is not None, what="CRIU to start")
-    criu = _criu_of(proc.pid)
-    if criu is not None:
-        os.kill(criu, signal.SIGKILL)
+    _kill_criu_when_started(c, nth=SWRK_PER_RESTORE)
     proc.wait(120)
-    assert criu is not None, "the restore ended before CRIU could be caught"
     assert proc.returncode != 0
     assert c.state() is None, "a failed restore leaves nothing half-restored"
     # The last good checkpoint is untouched: restore again from it.
@@ -291,3 +329,15 @@ def test_second_checkpoint_while_one_runs_is_refused(container, backend, stack, 
     held = _gpu_states(c, backend) == [R] and _progress(c)
     _record(ledger, "second checkpoint while one runs", held, detail="refused by the operation lock; the first completes")
     assert held
+
+
+def test_swrk_count(big_container, tmp_path):  # type: ignore[no-untyped-def]
+    """How many `criu swrk` runc starts per checkpoint and per restore (the kill tests aim at the last)."""
+    c = big_container
+    n0 = len(_swrk_pids(c))
+    assert c.checkpoint(tmp_path / "img").rc == 0
+    n1 = len(_swrk_pids(c))
+    c.delete()
+    assert c.restore(tmp_path / "img").rc == 0
+    n2 = len(_swrk_pids(c))
+    assert (n1 - n0, n2 - n1) == (SWRK_PER_CHECKPOINT, SWRK_PER_RESTORE)
