@@ -214,26 +214,10 @@ class NvidiaBackend:
         return self._memory_by_pid().get(host_pid, {})
 
     def find_processes(self, host_pids: list[int]) -> list[Any]:
-        from gpusnap.gpu.procs import comm, ns_pid
-        from gpusnap.metadata import GpuProcess
+        from gpusnap.gpu.procs import gpu_process
 
         mem = self._memory_by_pid()
-        out = []
-        for pid in host_pids:
-            if not self._is_cuda(pid):
-                continue
-            used = mem.get(pid, {})
-            out.append(
-                GpuProcess(
-                    host_pid=pid,
-                    ns_pid=ns_pid(self.host.proc, pid) or pid,
-                    gpu_memory_bytes=sum(used.values()),
-                    gpu_uuids=sorted(used),
-                    comm=comm(self.host.proc, pid),
-                    gpu_memory_by_uuid=dict(sorted(used.items())),
-                )
-            )
-        return out
+        return [gpu_process(self.host.proc, pid, mem.get(pid, {})) for pid in host_pids if self._is_cuda(pid)]
 
     def unsupported_reason(self, host_pid: int) -> str | None:
         reason = process_reason(self.host, host_pid)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gpusnap.config import HostPaths
 from gpusnap.errors import NotFoundError
+from gpusnap.metadata import GpuProcess
 
 
 def _pid_dirs(proc: Path) -> list[int]:
@@ -53,6 +54,18 @@ def comm(proc: Path, pid: int) -> str:
         return (proc / str(pid) / "comm").read_text().strip()
     except OSError:
         return ""
+
+
+def gpu_process(proc: Path, pid: int, used: dict[str, int]) -> GpuProcess:
+    """The metadata record of a GPU process, given its device memory per GPU UUID."""
+    return GpuProcess(
+        host_pid=pid,
+        ns_pid=ns_pid(proc, pid) or pid,
+        gpu_memory_bytes=sum(used.values()),
+        gpu_uuids=sorted(used),
+        comm=comm(proc, pid),
+        gpu_memory_by_uuid=dict(sorted(used.items())),
+    )
 
 
 def _cgroup_procs(host: HostPaths, pid: int) -> list[int]:

@@ -41,7 +41,7 @@ from typing import Any
 from gpusnap.config import HostPaths
 from gpusnap.errors import UnsupportedError, UsageError
 from gpusnap.gpu.base import GpuCallError, GpuLockTimeout, GpuStatus, ProcessGone, ProcessGpuState
-from gpusnap.gpu.procs import comm, environ, ns_pid
+from gpusnap.gpu.procs import environ, gpu_process
 from gpusnap.gpu.unsupported import mps_reason, mig_env_reason
 from gpusnap.metadata import GpuInfo, GpuProcess
 
@@ -238,22 +238,7 @@ class StandinBackend:
         return {rec["gpu"]: int(env.get(MEM_ENV, "64")) << 20}
 
     def find_processes(self, host_pids: list[int]) -> list[GpuProcess]:
-        out = []
-        for pid in host_pids:
-            if not environ(self.host.proc, pid).get(TOKEN_ENV):
-                continue
-            used = self.process_memory(pid)
-            out.append(
-                GpuProcess(
-                    host_pid=pid,
-                    ns_pid=ns_pid(self.host.proc, pid) or pid,
-                    gpu_memory_bytes=sum(used.values()),
-                    gpu_uuids=sorted(used),
-                    comm=comm(self.host.proc, pid),
-                    gpu_memory_by_uuid=dict(sorted(used.items())),
-                )
-            )
-        return out
+        return [gpu_process(self.host.proc, pid, self.process_memory(pid)) for pid in host_pids if environ(self.host.proc, pid).get(TOKEN_ENV)]
 
     def unsupported_reason(self, host_pid: int) -> str | None:
         if environ(self.host.proc, host_pid).get(MANAGED_ENV) == "1":
