@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: docker_checkpoint
+from docker_checkpoint import start_from_checkpoint  # noqa: E402
 from gs_pkg_containers import COUNTER, files_of, run
 from gs_pkg_registry import Registry
 
@@ -72,7 +76,7 @@ def test_docker_checkpoint_round_trip(tmp_path: Path, registry: Registry, docker
     # docker only restores from its own checkpoint directory (no custom dir on start).
     out = api.materialize_checkpoint(store2, local, checkpoints / "gs-pkg-cp2", form="docker-dir")
     assert files_of(out) == original
-    docker("start", "--checkpoint", "gs-pkg-cp2", name)
+    start_from_checkpoint(name, "gs-pkg-cp2")
     first = _wait(name, 1)
     assert first > 3  # continued from the checkpoint, not from 1
     assert _wait(name, first + 3) >= first + 3
