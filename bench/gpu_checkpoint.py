@@ -11,6 +11,12 @@ Run on a GPU machine (tests/gpu/run_gpu_suite.sh runs it). For each size, in the
   ``runc delete``, ``runc restore -d``, then cuCheckpointProcessRestore + Unlock on the new PID.
 
 Target: gpusnap within 10% of by hand. Prints a Markdown table; ``--json`` saves the rows.
+
+Fairness: the first cycle on a fresh VM was slower whichever side ran it (earlier runs had
+gpusnap first and 8-30 % behind; the host's memory is first touched then). So the images'
+tmpfs is pre-faulted with twice the largest size before anything is timed, and each size runs
+``--rounds`` rounds in alternating order (by hand first, then gpusnap first, ...); a row shows
+each side's mean and the ratio of the means, the per-round ratios beside it.
 """
 
 from __future__ import annotations
@@ -110,6 +116,30 @@ def by_hand_cycle(stack: Stack, gb: float, images: Path, timeout_ms: int = 10_00
         shutil.rmtree(images, ignore_errors=True)
 
 
+def prefault(directory: Path, gib: float) -> float:
+    """Touch ``gib`` GiB of tmpfs pages once and free them; returns the seconds it took."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "prefault"
+    block = b"\xa5" * (64 << 20)
+    t0 = time.perf_counter()
+    try:
+        with open(path, "wb") as f:
+            for _ in range(int(gib * 16) or 1):
+                f.write(block)
+    finally:
+        path.unlink(missing_ok=True)
+    return time.perf_counter() - t0
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def combine(cycles: list[dict]) -> dict:
+    """The mean of each timing over the rounds of one side."""
+    return {k: mean([c[k] for c in cycles]) for k in cycles[0]}
+
+
 def gpu_memory(pid: int) -> int:
     from pynvml import nvmlDeviceGetComputeRunningProcesses, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlInit
 
@@ -120,6 +150,11 @@ def gpu_memory(pid: int) -> int:
             if p.pid == pid:
                 total += p.usedGpuMemory or 0
     return total
+
+
+def free_shm_gib(path: Path) -> float:
+    st = os.statvfs(path if path.exists() else "/")
+    return st.f_bavail * st.f_frsize / (1 << 30)
 
 
 def gpu_line() -> str:
@@ -134,6 +169,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--deadline", type=float, default=0, help="epoch seconds: skip sizes that would not end before it")
     ap.add_argument("--work", default="/tmp/gs-gpu-bench-work")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per size, in alternating order (by hand first in odd rounds)")
     args = ap.parse_args()
     criu, runc = shutil.which("criu"), shutil.which("runc")
     shim = shutil.which("gpusnap-runtime") or str(Path(sys.executable).parent / "gpusnap-runtime")
@@ -141,17 +177,31 @@ def main() -> int:
     stack = Stack(base=Path(args.work), mode="cuda", gpu_backend="nvidia", shim=shim, runc=runc, tools_bin=os.path.dirname(criu), pythonpath=os.environ.get("PYTHONPATH", ""))
     rows = []
     gpu = gpu_line()
-    for gb in [float(s) for s in args.sizes.split(",")]:
-        # About 6 s per GiB for both cycles together on an H200 with images on tmpfs, plus start-up.
-        if args.deadline and time.time() + 30 + 6 * gb > args.deadline:
+    sizes = [float(x) for x in args.sizes.split(",")]
+    warm_gib = min(2 * max(sizes), free_shm_gib(Path(args.images).parent) * 0.8)
+    print(f"pre-faulting {warm_gib:.1f} GiB of {Path(args.images).parent}: {prefault(Path(args.images), warm_gib):.1f}s", flush=True)
+    for gb in sizes:
+        # About 6 s per GiB for one round of both cycles on an H200 with images on tmpfs, plus start-up.
+        if args.deadline and time.time() + 30 + 6 * gb * args.rounds > args.deadline:
             rows.append({"gib": gb, "skipped": "not enough time left in this run"})
             print(f"{gb:g} GiB: skipped (time)", flush=True)
             continue
-        g = gpusnap_cycle(stack, gb, Path(args.images) / f"gpusnap-{gb:g}")
-        h = by_hand_cycle(stack, gb, Path(args.images) / f"hand-{gb:g}")
-        row = {"gib": gb, "gpusnap": g, "by_hand": h, "checkpoint_ratio": g["checkpoint_s"] / h["checkpoint_s"], "restore_ratio": g["restore_s"] / h["restore_s"]}
+        runs: dict[str, list[dict]] = {"gpusnap": [], "by_hand": []}
+        for rnd in range(args.rounds):
+            order = ("by_hand", "gpusnap") if rnd % 2 == 0 else ("gpusnap", "by_hand")
+            for who in order:
+                cycle = gpusnap_cycle if who == "gpusnap" else by_hand_cycle
+                runs[who].append(cycle(stack, gb, Path(args.images) / f"{who}-{gb:g}"))
+        g, h = combine(runs["gpusnap"]), combine(runs["by_hand"])
+        row = {
+            "gib": gb, "rounds": args.rounds, "gpusnap": g, "by_hand": h,
+            "checkpoint_ratio": g["checkpoint_s"] / h["checkpoint_s"], "restore_ratio": g["restore_s"] / h["restore_s"],
+            "round_checkpoint_ratios": [a["checkpoint_s"] / b["checkpoint_s"] for a, b in zip(runs["gpusnap"], runs["by_hand"])],
+            "round_restore_ratios": [a["restore_s"] / b["restore_s"] for a, b in zip(runs["gpusnap"], runs["by_hand"])],
+            "runs": runs,
+        }
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=2))
     print(f"\nGPU: {gpu}\n")
@@ -163,7 +213,8 @@ def main() -> int:
             continue
         for who in ("gpusnap", "by_hand"):
             x = r[who]
-            ratio = f"ckpt {r['checkpoint_ratio']:.3f}, restore {r['restore_ratio']:.3f}" if who == "gpusnap" else ""
+            per_round = ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(r["round_checkpoint_ratios"], r["round_restore_ratios"]))
+            ratio = f"ckpt {r['checkpoint_ratio']:.3f}, restore {r['restore_ratio']:.3f} (rounds: {per_round})" if who == "gpusnap" else ""
             print(
                 f"| {r['gib']:g} | {who.replace('_', ' ')} | {x['gpu_gib']:.1f} | {x['checkpoint_s']:.2f} | {x['lock_s']:.3f} / {x['gpu_to_host_s']:.2f} / {x['criu_dump_s']:.2f} "
                 f"| {x['restore_s']:.2f} | {x['criu_restore_s']:.2f} / {x['host_to_gpu_s']:.2f} / {x['unlock_s']:.3f} | {x['image_gib']:.1f} | {ratio} |"

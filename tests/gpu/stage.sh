@@ -4,6 +4,10 @@
 # from Debian 13 packages, GPU_TOOLS_SCRIPT builds it) and .whl/ (gpusnap's wheel plus the
 # wheels of jsonschema and its dependencies, which the GPU image lacks). Run it on a Debian
 # host with pip; then copy DEST to the GPU machine and run DEST/tests/gpu/run_gpu_suite.sh.
+# Where CRIU 4.2 is installed (GS_GPU_CRIU42, default /opt/gpusnap-criu42, which
+# tests/host/provision.sh fills) it replaces 4.1.1 in .gpu-tools: the GPU machine has no
+# iptables, and only CRIU 4.2 takes the "network-lock skip" gpusnap gives containers without
+# network (4.1.1 crashes on it), so only with 4.2 do runc-direct containers checkpoint there.
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 DEST=$(realpath -m "${1:?usage: stage.sh DEST [TOOLS_DIR]}")
@@ -16,6 +20,14 @@ if [ -n "$TOOLS" ]; then
   rm -rf "$DEST/.gpu-tools"; cp -r "$TOOLS" "$DEST/.gpu-tools"
 elif [ ! -x "$DEST/.gpu-tools/bin/criu" ]; then
   bash "${GPU_TOOLS_SCRIPT:?set GPU_TOOLS_SCRIPT to make-tools.sh or pass TOOLS_DIR}" "$DEST/.gpu-tools"
+fi
+CRIU42=${GS_GPU_CRIU42:-/opt/gpusnap-criu42}
+if [ -x "$CRIU42/bin/criu" ] && [ -d "$CRIU42/root" ]; then
+  # A script rather than a link: copies to the GPU machine may not keep links.
+  rm -rf "$DEST/.gpu-tools/prefix" "$DEST/.gpu-tools/criu42" "$DEST/.gpu-tools/bin/criu"
+  cp -rL "$CRIU42" "$DEST/.gpu-tools/criu42"
+  printf '#!/bin/sh\nexec "$(dirname "$(readlink -f "$0")")/../criu42/bin/criu" "$@"\n' > "$DEST/.gpu-tools/bin/criu"
+  chmod +x "$DEST/.gpu-tools/bin/criu"
 fi
 rm -f "$DEST"/.whl/gpusnap-*.whl
 PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python

@@ -193,18 +193,26 @@ def default_python() -> str:
     return shutil.which("python3") or "python3"
 
 
-def require_torch(python: str) -> None:
-    """The workload's interpreter must exist and import torch: checked before anything starts."""
+def torch_missing_reason(python: str) -> str | None:
+    """Why ``python`` cannot run the CUDA workload (absent, or no torch), or None when it can."""
     exe = shutil.which(python)
     if exe is None:
-        raise MissingDependencyError(f"Python interpreter {python} not found; pass --python PATH to one that has PyTorch with CUDA, or --no-gpu for the CPU demo")
+        return f"Python interpreter {python} not found"
     try:
         proc = subprocess.run([exe, "-c", "import torch"], capture_output=True, text=True, timeout=120, check=False)
     except subprocess.TimeoutExpired:
-        raise MissingDependencyError(f"{exe} took over 120 s to import torch; check that interpreter or pass --python PATH") from None
+        return f"{exe} took over 120 s to import torch"
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["import failed"])[-1]
-        raise MissingDependencyError(f"{exe} cannot import torch ({last}); install PyTorch with CUDA there, pass --python PATH to an interpreter that has it, or --no-gpu for the CPU demo")
+        return f"{exe} cannot import torch ({last})"
+    return None
+
+
+def require_torch(python: str) -> None:
+    """The workload's interpreter must exist and import torch: checked before anything starts."""
+    reason = torch_missing_reason(python)
+    if reason is not None:
+        raise MissingDependencyError(f"{reason}; pass --python PATH to an interpreter that has PyTorch with CUDA, or --no-gpu for the CPU demo")
 
 
 def parse_steps(text: str) -> dict[int, int]:
@@ -367,9 +375,18 @@ def register(app: typer.Typer) -> None:
         require_root("gpusnap demo")
         c = get_ctx(ctx)
         say = (lambda _t: None) if as_json else c.out.info
-        if choose_gpu(gpu, lambda: gpu_unavailable_reason(c.settings)):
+        use_gpu = choose_gpu(gpu, lambda: gpu_unavailable_reason(c.settings))
+        fallback = None
+        if use_gpu and gpu is None and python is None:
+            # A GPU host whose default python3 has no PyTorch (a bare driver install): the user
+            # asked for nothing in particular, so show the CPU demo and say how to get the CUDA one.
+            fallback = torch_missing_reason(default_python())
+            if fallback is not None:
+                use_gpu = False
+                say(f"a GPU is here, but {fallback}: showing the busybox counter (pass --python PATH to an interpreter with PyTorch for the CUDA workload)")
+        if use_gpu:
             result = run_gpu_demo(c.settings, name, keep, say, GpuDemoParams(python=python or default_python()))
         else:
-            result = {"mode": "counter", **run_demo(c.settings, name, keep, say)}
+            result = {"mode": "counter", **run_demo(c.settings, name, keep, say), **({"gpu_skipped": fallback} if fallback else {})}
         if as_json:
             c.out.json(result)

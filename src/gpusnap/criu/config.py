@@ -26,6 +26,37 @@ BASE_OPTIONS = ("link-remap",)
 
 _TRUE = {"1", "true", "yes", "on"}
 
+# A container whose network namespace holds only loopback has no connection a peer outside could
+# see, so CRIU's network lock (iptables rules it installs in that namespace, through
+# iptables-restore) protects nothing there; hosts without iptables (GPU images often lack it)
+# fail the dump on it. "skip" turns the lock off for such containers.
+NETWORK_LOCK_SKIP = "network-lock skip"
+# CRIU 4.1.x dies of SIGSEGV when it reads any "network-lock" line from a config file in RPC
+# mode (runc's swrk): seen with Debian's 4.1.1; 4.2.1 reads it and skips the lock.
+NETWORK_LOCK_IN_CONFIG_SINCE = (4, 2)
+
+
+def takes_network_lock_option(version: tuple[int, int, int]) -> bool:
+    """Whether this CRIU version can be given ``network-lock`` through runc's config file."""
+    return version[:2] >= NETWORK_LOCK_IN_CONFIG_SINCE
+
+
+def with_network_lock_skip(annotations: dict[str, str], skip: bool) -> None:
+    """Add (``skip``) or take away ``network-lock skip`` in the extra-options annotation,
+    keeping every other option the container asked for."""
+    options = [o.strip() for o in annotations.get(EXTRA_OPTIONS_ANNOTATION, "").split(",")]
+    options = [o for o in options if o and not o.lstrip("-").startswith("network-lock")]
+    if skip:
+        options.append(NETWORK_LOCK_SKIP)
+    if options:
+        annotations[EXTRA_OPTIONS_ANNOTATION] = ",".join(options)
+    else:
+        annotations.pop(EXTRA_OPTIONS_ANNOTATION, None)
+
+
+def skips_network_lock(annotations: dict[str, str]) -> bool:
+    return NETWORK_LOCK_SKIP in [o.strip().lstrip("-") for o in annotations.get(EXTRA_OPTIONS_ANNOTATION, "").split(",")]
+
 
 # runc's own container id alphabet; checked here because the id becomes a file name.
 _ID_RE = re.compile(r"[\w+\-.]{1,1024}", re.ASCII)

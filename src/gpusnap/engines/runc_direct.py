@@ -31,6 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.config import Settings
+from gpusnap.criu.config import (
+    EXTRA_OPTIONS_ANNOTATION,
+    NETWORK_LOCK_SKIP,
+    skips_network_lock,
+    takes_network_lock_option,
+    with_network_lock_skip,
+)
 from gpusnap.engines.base import (
     FORM_CRIU_DIR,
     CheckpointOptions,
@@ -433,10 +440,48 @@ class RuncDirectEngine:
             root = {BUSYBOX_ROOTFS: bundle / "rootfs", OVERLAY_ROOTFS: merged}.get(rec.rootfs, Path(rec.rootfs))
             netns = (rec.network_record or {}).get("netns_path")
             cfg = make_spec(rec.name, rec.command, root, rec.env, netns) if spec is None else _retarget_spec(spec, rec.name, root, netns)
+            # Decided on the host that runs the container (a restore elsewhere decides again).
+            with_network_lock_skip(cfg.setdefault("annotations", {}), rec.network == "none" and self._criu_takes_network_lock())
             (bundle / "config.json").write_text(json.dumps(cfg, indent=2))
 
         steps.append(Step("write config.json", write_spec))
         return steps
+
+    def _criu_version(self) -> tuple[int, int, int] | None:
+        from gpusnap.criu.locate import find_criu
+
+        try:
+            return find_criu(self.settings, check=False).version
+        except MissingDependencyError:
+            return None  # start anyway: CRIU is needed only to checkpoint, which says so
+
+    def _criu_takes_network_lock(self) -> bool:
+        version = self._criu_version()
+        return version is not None and takes_network_lock_option(version)
+
+    def _check_network_lock(self, rec: RuncDirectRecord, annotations: dict[str, str], what: str) -> None:
+        """Refuse, before anything moves, a CRIU run that would fail on its network lock.
+
+        CRIU locks the container's network namespace with iptables-restore (at dump and at
+        restore) unless told to skip the lock, which gpusnap does for "none" containers when
+        CRIU 4.2+ runs them through gpusnap-runtime (see gpusnap.criu.config.NETWORK_LOCK_SKIP).
+        Found out mid-dump, it would cost a GPU state round trip and a rollback.
+        """
+        if self.runtime_name() == "gpusnap-runtime" and skips_network_lock(annotations):
+            version = self._criu_version()
+            if version is not None and not takes_network_lock_option(version):
+                have = ".".join(map(str, version))
+                raise MissingDependencyError(
+                    f"cannot {what} {rec.name}: it was set up for CRIU 4.2+ (network-lock skip) but CRIU here is {have}, which crashes on that option; install CRIU 4.2 or newer"
+                )
+            return
+        if shutil.which("iptables-restore") is None:
+            fix = "install iptables (apt-get install iptables)"
+            if rec.network == "none" and what == "checkpoint" and self._criu_takes_network_lock():
+                fix += ", or start the container again: with this CRIU gpusnap skips the lock for a container without network"
+            elif rec.network == "none":
+                fix += " or use CRIU 4.2+ with gpusnap-runtime (gpusnap then skips the lock for a container without network)"
+            raise MissingDependencyError(f"cannot {what} {rec.name}: CRIU locks its network namespace with iptables-restore, which is not on PATH; {fix}")
 
     def _network_up(self, rec: RuncDirectRecord) -> None:
         if rec.network == "none":
@@ -534,13 +579,8 @@ class RuncDirectEngine:
             raise NotFoundError(f"no runc-direct container {container.name}; `gpusnap ps` lists them")
         if not self.is_running(container):
             raise CheckpointError(f"{container.name} is not running ({container.status}); only running containers can be checkpointed")
-        if rec.network == "none" and shutil.which("iptables-restore") is None:
-            # CRIU locks a network namespace it dumps by running iptables-restore; without it the
-            # dump fails after the GPU state was already moved. Refuse before anything changes.
-            # (runc's CRIU RPC mode takes no other network-lock method from a config file.)
-            raise MissingDependencyError(
-                f"cannot checkpoint {rec.name}: CRIU locks its network namespace with iptables-restore, which is not on PATH; install iptables (apt-get install iptables)"
-            )
+        spec_path = self.container_dir(rec.name) / "bundle" / "config.json"
+        self._check_network_lock(rec, json.loads(spec_path.read_text()).get("annotations", {}), "checkpoint")
         dest.mkdir(parents=True)
         work = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name)))
         args = ["checkpoint", "--image-path", str(dest), "--work-path", str(work)]
@@ -600,6 +640,8 @@ class RuncDirectEngine:
             restored_from=old.name,
             overlay_lower=old.overlay_lower,
         )
+        would_skip = rec.network == "none" and self._criu_takes_network_lock()
+        self._check_network_lock(rec, {EXTRA_OPTIONS_ANNOTATION: NETWORK_LOCK_SKIP} if would_skip else {}, "restore")
         self._start(rec, restore_from=source, spec=saved["spec"], tcp_established=opts.tcp_established)
         info = self.get(name)
         assert info is not None

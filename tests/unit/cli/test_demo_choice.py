@@ -4,6 +4,7 @@ tests/gpu/test_gpu_demo.py (CUDA)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -112,3 +113,21 @@ def test_verdict_catches_a_restart_and_a_wrong_value() -> None:
 def test_gpu_timings_names() -> None:
     t = demo.gpu_timings({"gpu_lock": 0.001, "gpu_checkpoint": 1.0, "criu_dump": 1.2, "total": 2.5, "other": 9.0})
     assert t == {"lock": 0.001, "gpu_to_host": 1.0, "criu_dump": 1.2, "total": 2.5}
+
+
+def test_auto_mode_on_a_gpu_host_without_torch_falls_back_to_the_counter(
+    cli_env: None, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "python-without-torch"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(demo, "default_python", lambda: str(fake))
+    ran: list[str] = []
+    monkeypatch.setattr(demo, "run_gpu_demo", lambda *a, **k: ran.append("gpu") or {})
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: ran.append("counter") or {"resumed": True})
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert int(exc.value.code or 0) == 0 and ran == ["counter"]
+    assert out["mode"] == "counter" and "cannot import torch" in out["gpu_skipped"]
+    # --gpu, or --python, asks for the CUDA workload: test_missing_torch_is_one_line_exit_5.
