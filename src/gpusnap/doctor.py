@@ -12,10 +12,12 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpusnap.config import Settings
+from gpusnap.criu.config import takes_network_lock_option
 from gpusnap.hostcheck import MIN_CRIU, criu_path, criu_version, host_gpus, version_tuple
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -61,6 +63,21 @@ def check_criu(settings: Settings) -> list[Check]:
         lines = [ln for ln in text.splitlines() if "Error" in ln or "fail" in ln.lower()]
         out.append(Check("criu check", FAIL, (lines[-1] if lines else text.strip()[-120:]).strip(), "run `criu check` as root and fix what it reports (kernel config, permissions)"))
     return out
+
+
+def check_network_lock(settings: Settings, which: Callable[[str], str | None] = shutil.which) -> list[Check]:
+    """CRIU locks a container's own network namespace with iptables-restore at dump and restore;
+    without it only runc-direct containers without network can be checkpointed, and only with
+    CRIU >= 4.2 (gpusnap gives them "network-lock skip", which CRIU 4.1 crashes on)."""
+    found = which("iptables-restore")
+    if found:
+        return [Check("network lock", OK, f"iptables-restore at {found} (CRIU locks container networks with it)")]
+    path = criu_path(settings)
+    version = criu_version(path) if path else ""
+    fix = "install iptables (apt-get install iptables)"
+    if version and takes_network_lock_option(version_tuple(version)):
+        return [Check("network lock", WARN, f"no iptables-restore: only runc-direct containers without network can be checkpointed (CRIU {version} skips their lock)", fix)]
+    return [Check("network lock", FAIL, "no iptables-restore: no container with a network namespace of its own can be checkpointed", f"{fix}, or CRIU >= 4.2 for runc-direct containers without network")]
 
 
 def check_kernel(settings: Settings) -> list[Check]:
@@ -193,6 +210,6 @@ def check_store(settings: Settings) -> list[Check]:
 
 def run_checks(settings: Settings) -> list[Check]:
     checks: list[Check] = []
-    for fn in (check_criu, check_kernel, check_runc, check_engines, check_gpu, check_store):
+    for fn in (check_criu, check_network_lock, check_kernel, check_runc, check_engines, check_gpu, check_store):
         checks.extend(fn(settings))
     return checks

@@ -36,7 +36,7 @@ NETWORK_LOCK_SKIP = "network-lock skip"
 NETWORK_LOCK_IN_CONFIG_SINCE = (4, 2)
 
 
-def takes_network_lock_option(version: tuple[int, int, int]) -> bool:
+def takes_network_lock_option(version: tuple[int, ...]) -> bool:
     """Whether this CRIU version can be given ``network-lock`` through runc's config file."""
     return version[:2] >= NETWORK_LOCK_IN_CONFIG_SINCE
 
