@@ -19,10 +19,11 @@ apt_update() { [ $apt_ready = 1 ] || { apt-get update -qq >>"$LOG" 2>&1; apt_rea
 
 # ---- Debian 12 packages -------------------------------------------------------------------
 # GPUSNAP_PROVISION=minimal (scripts/demo.sh) installs only what the embedded engine needs:
-# runc, busybox and CRIU; the default installs the whole stack the integration tests drive.
+# runc, busybox and CRIU (and iptables: CRIU 4.1 locks a container's network namespace with
+# iptables-restore); the default installs the whole stack the integration tests drive.
 MODE=${GPUSNAP_PROVISION:-full}
 if [ "$MODE" = minimal ]; then
-  PKGS=(runc busybox-static iproute2 nftables python3-venv procps)
+  PKGS=(runc busybox-static iptables iproute2 nftables python3-venv procps)
 else
   PKGS=(runc podman conmon crun docker.io containerd docker-registry skopeo busybox-static
         iptables nftables iproute2 uidmap fuse-overlayfs slirp4netns containernetworking-plugins
