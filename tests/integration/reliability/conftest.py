@@ -1,4 +1,5 @@
-"""Wires this directory's tests to the reliability ledger (tests/reliability/ledger.py)."""
+"""Wires this directory's tests to the reliability ledger (tests/reliability/ledger.py), and
+gives them the driver stand-in's ``stack`` and ``backend`` (tests/stack/harness.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "reliability"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the stack package, gpu_harness
 
 import reliability_ledger as _ledger  # noqa: E402
+from stack.harness import backend, stack  # noqa: E402,F401 (fixtures; the name ``stack`` is the fixture from here on)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -143,10 +143,9 @@ def test_10_containers_checkpointed_and_pushed_at_once(tmp_path: Path, registry:
         pytest.skip("needs runc")
     from test_faults_runtime import RelContainer
 
-    from gpu_harness import Stack
+    from gpu_harness import standin_stack
 
-    shim = Path(sys.executable).parent / "gpusnap-runtime"
-    stack = Stack(base=tmp_path / "stack", mode="cpu", gpu_backend=f"standin:{tmp_path / 'standin'}", shim=str(shim), runc=shutil.which("runc") or "runc")
+    stack = standin_stack(tmp_path)
     containers = [RelContainer(stack, gb=0.05, sleep=0.01) for _ in range(10)]
     try:
         for c in containers:
