@@ -1,6 +1,7 @@
 """Helpers that drive the real stack from tests, shared by every suite under tests/.
 
 - :mod:`stack.proc`: running host commands, unique names, polling, the host-config lock;
+- :mod:`stack.registry`: a real docker-registry per test;
 - :mod:`stack.shim`: gpusnap-runtime behind a wrapper script, busybox bundles, stdio pipes.
 
 Imported as ``stack.*`` with ``tests/`` on ``sys.path``: the conftest of each suite that uses it
