@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: gpu_harness, gpu_worker
 
 from gpu_harness import MULTI_GPU_GB, Stack, host_gpus, reference  # noqa: E402
-from stack.harness import containers  # noqa: E402,F401 (a fixture)
+from stack.fixtures import containers  # noqa: E402,F401 (a fixture)
 
 
 def gpu_present() -> bool:

@@ -13,12 +13,10 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
-
-import pytest
 
 from stack.proc import HOST_PATH, run
 
@@ -127,12 +125,3 @@ class Pipes:
         for fd in (self.stdin_r, self.stdin_w, self.out_r, self.out_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-@pytest.fixture
-def podman_names() -> Iterator[list[str]]:
-    """Names of podman containers the test makes; removed afterwards, whatever happened."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        run(["podman", "rm", "-f", "-t", "0", name], check=False)

@@ -3,4 +3,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the fake GPU tree helper, the stack package
 
-from stack.shim import podman_names  # noqa: E402,F401 (a fixture)
+from stack.fixtures import podman_names  # noqa: E402,F401 (a fixture)

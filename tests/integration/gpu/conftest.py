@@ -3,4 +3,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: gpu_harness, gpu_worker, the stack package
 
-from stack.harness import backend, containers, stack  # noqa: E402,F401 (fixtures)
+from stack.fixtures import backend, containers, stack  # noqa: E402,F401 (fixtures)
