@@ -10,34 +10,29 @@ directory, as CRIU needs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stack import proc
+from stack.proc import HOST_PATH
+from stack.shim import NO_CONFIG, SHIM, Pipes, write_wrapper
+
 TAG = "gs-gpu"
-HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 WORKER = Path(__file__).with_name("gpu_worker.py")
 NVIDIA_DIR = Path("/usr/local/nvidia")
 # The nodes a CUDA process opens (seen on the lent H200): control, UVM, and one per GPU.
 NVIDIA_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 MULTI_GPU_GB = 4  # GiB on each GPU in the GPU suite's two-GPU container
 
-
-def unique(kind: str) -> str:
-    return f"{TAG}-{kind}-{uuid.uuid4().hex[:8]}"
-
-
-def sh(cmd: list[str], *, check: bool = True, timeout: float = 600, **kw: object) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kw)  # type: ignore[call-overload]
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}")
-    return proc
+unique = functools.partial(proc.unique, TAG)
+sh = functools.partial(proc.run, timeout=600)
 
 
 @dataclass
@@ -57,13 +52,7 @@ class Stack:
         self.base.mkdir(parents=True, exist_ok=True)
         self.run_dir = self.base / "run"
         self.state_dir = self.base / "state"
-        self.wrapper = self.base / unique("runtime")
-        lines = ["#!/bin/sh", f"export PATH={self.path()}"]
-        for k, v in self.gpusnap_env().items():
-            lines.append(f"export {k}='{v}'")
-        lines.append(f'exec {self.shim} "$@"')
-        self.wrapper.write_text("\n".join(lines) + "\n")
-        self.wrapper.chmod(0o755)
+        self.wrapper = write_wrapper(self.base / unique("runtime"), self.gpusnap_env(), shim=self.shim, search_path=self.path())
 
     def path(self) -> str:
         return f"{self.tools_bin}:{HOST_PATH}" if self.tools_bin else HOST_PATH
@@ -72,7 +61,7 @@ class Stack:
         env = {
             "GPUSNAP_RUN_DIR": str(self.run_dir),
             "GPUSNAP_STATE_DIR": str(self.state_dir),
-            "GPUSNAP_CONFIG": "/nonexistent/gpusnap.toml",
+            "GPUSNAP_CONFIG": NO_CONFIG,
             "GPUSNAP_GPU_BACKEND": self.gpu_backend,
             "GPUSNAP_RUNC": self.runc,
         }
@@ -89,27 +78,18 @@ class Stack:
         return load_settings(self.env())
 
 
-class Pipes:
-    """stdin/stdout/stderr of a container as pipes (CRIU restores pipes, not host files)."""
+def standin_stack(tmp_path: Path, tools_bin: str = "") -> Stack:
+    """CPU containers through gpusnap-runtime (beside this Python) and the host's runc, with the
+    driver stand-in (its state in ``tmp_path/standin``) as the GPU backend."""
+    return Stack(base=tmp_path / "stack", mode="cpu", gpu_backend=f"standin:{tmp_path / 'standin'}", shim=str(SHIM),
+                 runc=shutil.which("runc") or "runc", tools_bin=tools_bin)
 
-    def __init__(self) -> None:
-        self.stdin_r, self.stdin_w = os.pipe()
-        self.out_r, self.out_w = os.pipe()
-        os.set_blocking(self.out_r, False)
 
-    def kwargs(self) -> dict[str, int]:
-        return {"stdin": self.stdin_r, "stdout": self.out_w, "stderr": self.out_w}
+def standin_backend(stack: Stack):  # type: ignore[no-untyped-def]
+    """The stand-in backend ``stack``'s runtime talks to (the test reads and scripts its state)."""
+    from gpusnap.gpu.standin import StandinBackend
 
-    def read(self) -> str:
-        try:
-            return os.read(self.out_r, 1 << 20).decode(errors="replace")
-        except (BlockingIOError, OSError):
-            return ""
-
-    def close(self) -> None:
-        for fd in (self.stdin_r, self.stdin_w, self.out_r, self.out_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    return StandinBackend(Path(stack.gpu_backend.split(":", 1)[1]))
 
 
 @dataclass

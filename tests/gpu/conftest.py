@@ -14,7 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: gpu_harness, gpu_worker
 
-from gpu_harness import MULTI_GPU_GB, Container, Stack, host_gpus, reference  # noqa: E402
+from gpu_harness import MULTI_GPU_GB, Stack, host_gpus, reference  # noqa: E402
+from stack.fixtures import containers  # noqa: E402,F401 (a fixture)
 
 
 def gpu_present() -> bool:
@@ -105,14 +106,6 @@ def images(request: pytest.FixtureRequest):
     d.mkdir(parents=True)
     yield d
     shutil.rmtree(d, ignore_errors=True)  # GPU images are as big as the GPU state
-
-
-@pytest.fixture
-def containers():
-    made: list[Container] = []
-    yield made
-    for c in made:
-        c.cleanup()
 
 
 @pytest.fixture(scope="session")

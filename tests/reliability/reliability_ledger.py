@@ -4,6 +4,9 @@ Every figure in the reliability table comes from a line a test wrote in the same
 ``record(category, name, tried=..., refused=..., lost=...)``. ``pytest_collection_modifyitems``
 clears the ledger once per run (the StashKey makes the two conftests that load this module agree
 on "once"), and the terminal summary prints the table (see report.py).
+
+The pytest side (the hooks and the ``ledger`` / ``module_ledger`` fixtures) is at the end: the
+conftest.py of tests/unit/reliability and of tests/integration/reliability import it from here.
 """
 
 from __future__ import annotations
@@ -84,3 +87,23 @@ def summary_once(config: pytest.Config, terminalreporter: object) -> None:
 
 
 _SUMMARY = pytest.StashKey[bool]()
+
+
+# ---- the pytest side: what each reliability directory's conftest.py imports ------------------
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    clear_once(config)
+
+
+def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: pytest.Config) -> None:
+    summary_once(config, terminalreporter)
+
+
+@pytest.fixture
+def ledger(pytestconfig: pytest.Config) -> Ledger:
+    return Ledger(ledger_path(pytestconfig.rootpath))
+
+
+@pytest.fixture(scope="module")
+def module_ledger(pytestconfig: pytest.Config) -> Ledger:
+    return Ledger(ledger_path(pytestconfig.rootpath))

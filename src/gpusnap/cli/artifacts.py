@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from gpusnap.config import load_settings
-from gpusnap.errors import GpusnapError
+from gpusnap.errors import GpusnapError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -78,17 +78,26 @@ def _push(
     as_json: bool = JsonOpt,
     encrypt_key: Path | None = typer.Option(None, "--encrypt-key", metavar="KEYFILE", help="push an encrypted copy (256-bit key file, mode 0600)"),
     recipient: list[Path] | None = typer.Option(None, "--recipient", metavar="PUBKEY.pem", help="public key (X25519/RSA) that may decrypt it; repeatable"),
+    podman_image: bool = typer.Option(False, "--podman-image", help="push podman's own checkpoint image, which `podman container restore REMOTE` restores without gpusnap (podman checkpoints only)"),
 ) -> None:
     """Upload a stored checkpoint to a registry (only blobs the registry lacks are sent)."""
     from gpusnap.packaging import api
     from gpusnap.packaging.crypto import encryption_from_options
 
-    sealed = encryption_from_options(encrypt_key, recipient or [], load_settings().state_dir / "convergence.key")
-    r = api.push(_store(store), ref, remote, insecure=insecure, subject=subject, **({"encryption": sealed} if sealed else {}))
+    if podman_image:
+        from gpusnap.engines.flows import PODMAN_IMAGE_ENCRYPTED, push_podman_image
+
+        if encrypt_key is not None or recipient:
+            raise UsageError(PODMAN_IMAGE_ENCRYPTED)
+        r = push_podman_image(api, _store(store), ref, remote, insecure=insecure, subject=subject)
+    else:
+        sealed = encryption_from_options(encrypt_key, recipient or [], load_settings().state_dir / "convergence.key")
+        r = api.push(_store(store), ref, remote, insecure=insecure, subject=subject, **({"encryption": sealed} if sealed else {}))
     if as_json:
         _print_json(asdict(r))
         return
-    _console().print(f"pushed {ref} → {r.remote}\n  digest {r.digest}\n  uploaded {human_size(r.uploaded_bytes)}, "
+    _console().print(f"pushed {ref} → {r.remote}" + (" as a podman checkpoint image" if podman_image else "")
+                     + f"\n  digest {r.digest}\n  uploaded {human_size(r.uploaded_bytes)}, "
                      f"already there {human_size(r.skipped_bytes)} ({r.mounted_blobs} mounted), {r.blobs} blobs, {r.seconds:.1f} s")
 
 

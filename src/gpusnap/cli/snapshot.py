@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
         encrypt_key: Annotated[Optional[Path], typer.Option("--encrypt-key", metavar="KEYFILE", help="Encrypt every layer with this 256-bit key file (mode 0600).")] = None,
         recipient: Annotated[Optional[list[Path]], typer.Option("--recipient", metavar="PUBKEY.pem", help="Also let this public key (PEM, X25519 or RSA) decrypt it; repeatable.")] = None,
+        podman_image: Annotated[bool, typer.Option("--podman-image", help="With --push: push podman's own checkpoint image, which `podman container restore REF` restores without gpusnap (podman containers only).")] = False,
     ) -> None:
         """Checkpoint a container through its engine, store it locally, push it if asked."""
         from gpusnap.cli.main import get_ctx, require_root
@@ -41,14 +42,15 @@ def register(app: typer.Typer) -> None:
         encryption = encryption_from_options(encrypt_key, recipient or [], c.settings.state_dir / "convergence.key")
         sealed = {"encryption": encryption} if encryption is not None else {}
         with c.out.progress(f"checkpointing {container}") as progress:
-            outcome = flows.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress, **sealed)
+            outcome = flows.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress,
+                                       podman_image=podman_image, **sealed)
         if as_json:
             c.out.json(outcome.to_dict())
             return
         where = outcome.output or outcome.ref
         c.out.info(f"checkpointed {outcome.container.name} ({outcome.engine}) -> {where}, {human_size(outcome.size)}")
         if outcome.pushed:
-            c.out.info(f"pushed {outcome.pushed}")
+            c.out.info(f"pushed {outcome.pushed}" + (" as a podman checkpoint image (podman pull, then podman container restore)" if outcome.podman_image else ""))
         c.out.detail(f"steps: {outcome.timings_s}")
 
     @app.command()

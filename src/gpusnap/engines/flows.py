@@ -15,6 +15,7 @@ import shutil
 import socket
 import tarfile
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class CheckpointOutcome:
     ref: str = ""  # local store reference, when stored
     output: str = ""  # path, when written with --output
     pushed: str = ""  # remote reference, when pushed
+    podman_image: bool = False  # pushed as podman's checkpoint image (push_podman_image)
     digest: str = ""
     size: int = 0
     timings_s: dict[str, float] = field(default_factory=dict)
@@ -67,6 +69,7 @@ class CheckpointOutcome:
             "ref": self.ref,
             "output": self.output,
             "pushed": self.pushed,
+            "podman_image": self.podman_image,
             "digest": self.digest,
             "size": self.size,
             "timings_s": self.timings_s,
@@ -183,17 +186,27 @@ def checkpoint(
     progress: Progress = _quiet,
     ref: str | None = None,
     encryption: Any = None,
+    podman_image: bool = False,
 ) -> CheckpointOutcome:
-    """``encryption``: a gpusnap.packaging.crypto.EncryptionConfig; every stored layer is sealed."""
+    """``encryption``: a gpusnap.packaging.crypto.EncryptionConfig; every stored layer is sealed.
+    ``podman_image``: push podman's own checkpoint image (:func:`push_podman_image`) rather than
+    the artifact; only for podman containers, refused before anything is dumped otherwise."""
     opts = opts or CheckpointOptions()
     if encryption is not None and output is not None:
         raise UsageError("--encrypt-key/--recipient apply to the store and registry, not to --output; drop one")
     if push and output:
         raise UsageError("--push and --output exclude each other; pick one")
+    if podman_image and not push:
+        raise UsageError("--podman-image says how --push uploads the checkpoint; add --push REF")
+    if podman_image and encryption is not None:
+        raise UsageError(PODMAN_IMAGE_ENCRYPTED)
     if output is not None and output.exists():
         raise UsageError(f"{output} already exists; pick a new --output path or remove it")
     api = None if output is not None else packaging_api()
     eng, info = find_container(container, engine, settings)
+    if podman_image and eng.form != FORM_PODMAN_ARCHIVE:
+        raise UsageError(f"--podman-image needs a podman container; {info.name} runs in {eng.name} (push it without --podman-image "
+                         "and restore it with gpusnap restore)")
     if not eng.is_running(info):
         raise UsageError(f"{info.name} is not running ({info.status or 'stopped'}) in {eng.name}; start it before checkpointing")
     facts = gather(settings, with_gpus=False)
@@ -251,7 +264,10 @@ def checkpoint(
     def do_push() -> None:
         progress(f"pushing {push}")
         with _transfer(progress, f"push {push}") as bar:
-            state["pushed"] = api.push(settings.store_dir, state["ref"], push, insecure=insecure, progress=bar)
+            if podman_image:
+                state["pushed"] = push_podman_image(api, settings.store_dir, state["ref"], push, insecure=insecure, progress=bar)
+            else:
+                state["pushed"] = api.push(settings.store_dir, state["ref"], push, insecure=insecure, progress=bar)
 
     steps = [Step("checkpoint", dump, bring_back), Step("write metadata", describe)]
     if output is not None:
@@ -273,11 +289,37 @@ def checkpoint(
         ref=state.get("ref", ""),
         output=str(output) if output is not None else "",
         pushed=push or "",
+        podman_image=bool(push and podman_image),
         digest=str(getattr(stored, "digest", "") or ""),
         size=int(getattr(stored, "size", 0) or 0) if stored is not None else _path_size(output),
         timings_s={r.name: round(r.seconds, 3) for r in records},
     )
     return outcome
+
+
+PODMAN_IMAGE_ENCRYPTED = "--podman-image and --encrypt-key/--recipient exclude each other: podman restores only plain images; drop one"
+
+
+def push_podman_image(api: Any, store_dir: Path, ref: str, remote: str, *, insecure: bool = False, progress: Any = None,
+                      subject: str | None = None) -> Any:
+    """Push podman's own checkpoint image of the stored podman checkpoint ``ref`` to ``remote``
+    (``make_podman_image``): ``podman pull REMOTE`` then ``podman container restore REMOTE``
+    restore it, without gpusnap. A checkpoint of another engine, or an encrypted one, is refused
+    (UsageError) before anything is written. The image is tagged in the store only while it is
+    pushed; its blobs stay until ``gpusnap gc``. Returns the push's PushResult."""
+    from gpusnap.packaging.crypto import is_encrypted
+
+    info = api.inspect(store_dir, ref)
+    if info.form != FORM_PODMAN_ARCHIVE:
+        raise UsageError(f"--podman-image needs a podman checkpoint; {ref} is a {info.form} checkpoint (push it without --podman-image)")
+    if any(is_encrypted(layer.media_type) for layer in info.layers):
+        raise UsageError(f"--podman-image needs a plain checkpoint; {ref} is encrypted and podman restores only plain images")
+    image = f"localhost/gpusnap/podman-image:{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    api.make_podman_image(store_dir, ref, image)
+    try:
+        return api.push(store_dir, image, remote, insecure=insecure, progress=progress, subject=subject)
+    finally:
+        api.remove(store_dir, image)
 
 
 def _path_size(path: Path | None) -> int:

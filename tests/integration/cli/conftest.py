@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the stack package
+from stack.registry import CLI_PORTS, Registry  # noqa: E402
+
 TAG = "gs-cli"
-PORTS = range(5200, 5250)
 GPUSNAP = str(Path(sys.executable).parent / "gpusnap")
 DOCKER = "/usr/bin/docker"  # Debian's client; another docker sits earlier on PATH here
 
@@ -69,42 +70,11 @@ def gs(tmp_path: Path) -> Iterator[Gs]:
             subprocess.run(["runc", "--root", str(runc_root), "delete", "-f", d.name], capture_output=True)
 
 
-def free_port() -> int:
-    for port in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 5200-5249")
-
-
 @pytest.fixture
 def registry(tmp_path: Path) -> Iterator[str]:
-    """A real distribution registry (docker-registry) on one of this area's ports."""
-    port = free_port()
-    data = tmp_path / "registry"
-    data.mkdir()
-    cfg = tmp_path / "registry.yml"
-    cfg.write_text(
-        "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s\n  delete:\n    enabled: true\n"
-        "http:\n  addr: 127.0.0.1:%d\n" % (data, port)
-    )
-    proc = subprocess.Popen(["/usr/bin/docker-registry", "serve", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError("docker-registry did not start")
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    """A real distribution registry (docker-registry) on one of this area's ports: its host:port."""
+    with Registry(tmp_path / "registry", CLI_PORTS) as reg:
+        yield reg.host
 
 
 def counter_numbers(text: str) -> list[int]:

@@ -10,7 +10,9 @@ import pytest
 
 from gpusnap.errors import ExitCode
 
-from .conftest import COUNTER, Gs, free_port, podman_logs, unique, wait_numbers
+from stack.registry import CLI_PORTS, free_port
+
+from .conftest import COUNTER, Gs, podman_logs, unique, wait_numbers
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +27,7 @@ def test_runc_direct_push_failure_keeps_container_running(gs: Gs) -> None:
     gs("run", name, "--", "sh", "-c", COUNTER)
     try:
         before = wait_numbers(lambda: gs("logs", name).stdout, 3)
-        dead = f"127.0.0.1:{free_port()}/{name}:v1"
+        dead = f"127.0.0.1:{free_port(CLI_PORTS)}/{name}:v1"
         proc = gs("checkpoint", name, "--push", dead, "--insecure", check=False)
         assert proc.returncode == int(ExitCode.REGISTRY), proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
@@ -42,7 +44,7 @@ def test_runc_direct_push_failure_keeps_container_running(gs: Gs) -> None:
 
 def test_podman_push_failure_keeps_container_running(gs: Gs, podman_counter: str) -> None:
     before = wait_numbers(lambda: podman_logs(podman_counter), 3)
-    dead = f"127.0.0.1:{free_port()}/{podman_counter}:v1"
+    dead = f"127.0.0.1:{free_port(CLI_PORTS)}/{podman_counter}:v1"
     proc = gs("checkpoint", podman_counter, "--push", dead, "--insecure", check=False)
     assert proc.returncode == int(ExitCode.REGISTRY), proc.stderr
     state = subprocess.run(["podman", "inspect", "--format", "{{.State.Status}}", podman_counter], capture_output=True, text=True)

@@ -3,32 +3,21 @@ wrapper, a busybox bundle, and a probe that reports what a container sees."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
+import functools
 import json
 import os
-import shutil
 import stat
-import subprocess
-import sys
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fake_gpu_tree import FakeGpuTree, make_nvidia_tree
+from stack import proc
+from stack.proc import etc_lock, run, wait_for  # noqa: F401 (the tests import them from here)
+from stack.shim import BIN, DOCKER, DOCKER_IMAGE, HOOK, PODMAN_IMAGE, RUNC, SHIM, Shim  # noqa: F401
+from stack.shim import busybox_bundle as make_bundle  # noqa: F401 (base, args, env)
 
 TAG = "gs-dev"
-BIN = Path(sys.executable).parent
-SHIM = BIN / "gpusnap-runtime"
-HOOK = BIN / "gpusnap-hook"
-RUNC = shutil.which("runc", path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin") or "/usr/sbin/runc"
-DOCKER = "/usr/bin/docker"
-PODMAN_IMAGE = "localhost/gpusnap-busybox:latest"
-DOCKER_IMAGE = "gpusnap-busybox:latest"
-HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STABLE = "/usr/local/gpusnap/driver/"
-ETC_LOCK = "/run/gpusnap-etc.lock"
 
 # What the container reports: its NVIDIA nodes (hex major/minor as busybox stat prints them),
 # the driver mounts with their options, each library's content, and its init process's
@@ -41,15 +30,7 @@ PROBE = (
 )
 
 
-def unique(kind: str) -> str:
-    return f"{TAG}-{kind}-{uuid.uuid4().hex[:8]}"
-
-
-def run(cmd: list[str], *, check: bool = True, timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kw)  # type: ignore[call-overload]
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}")
-    return proc
+unique = functools.partial(proc.unique, TAG)
 
 
 @dataclass
@@ -106,20 +87,10 @@ def expected_mounts() -> set[str]:
 
 
 @dataclass
-class GpuShim:
-    """A wrapper that points gpusnap-runtime at a fake GPU host tree (engines drop our env)."""
+class GpuShim(Shim):
+    """A shim pointed at a fake GPU host tree (GPUSNAP_ROOT), with gpusnap-hook for its hooks."""
 
-    wrapper: Path
-    run_dir: Path
-    state_dir: Path
-    tree: FakeGpuTree
-
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "PATH": HOST_PATH, **self.settings_env()}
-
-    def settings_env(self) -> dict[str, str]:
-        return {"GPUSNAP_ROOT": str(self.tree.root), "GPUSNAP_RUN_DIR": str(self.run_dir), "GPUSNAP_STATE_DIR": str(self.state_dir),
-                "GPUSNAP_HOOK": str(HOOK), "GPUSNAP_CONFIG": "/nonexistent/gpusnap.toml"}
+    tree: FakeGpuTree = field(kw_only=True)
 
     def records(self) -> dict[str, dict]:
         d = self.state_dir / "gpus"
@@ -130,46 +101,4 @@ def make_gpu_shim(base: Path, name: str | None = None, host: str = "host", **tre
     """``tree_kwargs`` go to make_nvidia_tree (driver_version, uvm_major, ...)."""
     base.mkdir(parents=True, exist_ok=True)
     tree = make_nvidia_tree(base / host, **tree_kwargs)  # type: ignore[arg-type]
-    shim = GpuShim(base / (name or unique(f"runtime-{host}")), base / "run", base / "state", tree)
-    exports = " ".join(f"{k}={v}" for k, v in shim.settings_env().items())
-    shim.wrapper.write_text(f"#!/bin/sh\nexport PATH={HOST_PATH}\nexport {exports}\nexec {SHIM} \"$@\"\n")
-    shim.wrapper.chmod(0o755)
-    return shim
-
-
-@dataclass
-class Bundle:
-    path: Path
-    root: Path  # runc --root of this test
-
-    def config(self) -> dict:
-        return json.loads((self.path / "config.json").read_text())
-
-
-def make_bundle(base: Path, args: list[str], env: list[str]) -> Bundle:
-    bundle = base / "bundle"
-    (bundle / "rootfs/bin").mkdir(parents=True)
-    for d in ("proc", "sys", "dev", "tmp"):
-        (bundle / "rootfs" / d).mkdir()
-    shutil.copy2("/bin/busybox", bundle / "rootfs/bin/busybox")
-    (bundle / "rootfs/bin/sh").symlink_to("busybox")
-    run([RUNC, "spec"], cwd=bundle)
-    spec = json.loads((bundle / "config.json").read_text())
-    spec["process"]["terminal"] = False
-    spec["process"]["args"] = args
-    spec["process"]["env"] += env
-    spec["root"]["readonly"] = False
-    (bundle / "config.json").write_text(json.dumps(spec, indent=2))
-    root = base / "runc-root"
-    root.mkdir()
-    return Bundle(bundle, root)
-
-
-@contextlib.contextmanager
-def etc_lock() -> Iterator[None]:
-    with open(ETC_LOCK, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return GpuShim.at(base, name or unique(f"runtime-{host}"), {"GPUSNAP_ROOT": str(tree.root), "GPUSNAP_HOOK": str(HOOK)}, tree=tree)

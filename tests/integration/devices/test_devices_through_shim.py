@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,14 +48,6 @@ def _dev_image_nodes(images: Path) -> dict[str, tuple[int, int]]:
 @pytest.fixture
 def gpu_shim(tmp_path: Path) -> GpuShim:
     return make_gpu_shim(tmp_path / "shim")
-
-
-@pytest.fixture
-def podman_names() -> Iterator[list[str]]:
-    names: list[str] = []
-    yield names
-    for name in names:
-        run(["podman", "rm", "-f", "-t", "0", name], check=False)
 
 
 def assert_sees_injection(view, shim: GpuShim, gpus: list[int] | None) -> None:

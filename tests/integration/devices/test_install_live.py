@@ -8,12 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from devstack import BIN, DOCKER, DOCKER_IMAGE, PODMAN_IMAGE, PROBE, GpuShim, etc_lock, expected_nodes, make_gpu_shim, parse_probe, run, unique
+from devstack import BIN, DOCKER, DOCKER_IMAGE, PODMAN_IMAGE, PROBE, GpuShim, etc_lock, expected_nodes, make_gpu_shim, parse_probe, run, unique, wait_for
 
 pytestmark = [
     pytest.mark.integration,
@@ -35,15 +34,6 @@ def docker_runtimes() -> dict:
 
 def reload_dockerd() -> None:
     os.kill(int(Path("/var/run/docker.pid").read_text().strip()), signal.SIGHUP)
-
-
-def wait_for(pred, what: str, timeout: float = 30) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

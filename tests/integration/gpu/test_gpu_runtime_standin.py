@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-from gpu_harness import Container, Stack, assert_matches, reference, small_tmpfs
+from gpu_harness import Container, assert_matches, reference, small_tmpfs
 
 from gpusnap.gpu.base import ProcessGpuState
 from gpusnap.gpu.standin import StandinBackend
@@ -31,27 +30,8 @@ R, C = ProcessGpuState.RUNNING, ProcessGpuState.CHECKPOINTED
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Stack:
-    shim = Path(sys.executable).parent / "gpusnap-runtime"
-    return Stack(base=tmp_path / "stack", mode="cpu", gpu_backend=f"standin:{tmp_path / 'standin'}", shim=str(shim), runc=shutil.which("runc") or "runc")
-
-
-@pytest.fixture
-def backend(stack: Stack) -> StandinBackend:
-    return StandinBackend(Path(stack.gpu_backend.split(":", 1)[1]))
-
-
-@pytest.fixture
 def ref(tmp_path_factory: pytest.TempPathFactory) -> dict[int, int]:
     return reference("cpu", 1, REF_STOP, tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture
-def containers():
-    made: list[Container] = []
-    yield made
-    for c in made:
-        c.cleanup()
 
 
 def states(c: Container, backend: StandinBackend) -> list[ProcessGpuState]:

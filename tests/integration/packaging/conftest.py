@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gs_pkg_registry import Registry
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the stack package
+from stack.registry import PKG_PORTS, Registry  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -28,21 +30,15 @@ def _need(*tools: str) -> None:
 @pytest.fixture
 def registry(tmp_path: Path) -> Iterator[Registry]:
     _need("/usr/bin/docker-registry")
-    reg = Registry(tmp_path / "registry")
-    try:
-        yield reg.start()
-    finally:
-        reg.stop()
+    with Registry(tmp_path / "registry", PKG_PORTS) as reg:
+        yield reg
 
 
 @pytest.fixture
 def auth_registry(tmp_path: Path) -> Iterator[Registry]:
     _need("/usr/bin/docker-registry")
-    reg = Registry(tmp_path / "registry-auth", user="gs-pkg-user", password="gs-pkg-secret")
-    try:
-        yield reg.start()
-    finally:
-        reg.stop()
+    with Registry(tmp_path / "registry-auth", PKG_PORTS, user="gs-pkg-user", password="gs-pkg-secret") as reg:
+        yield reg
 
 
 @pytest.fixture

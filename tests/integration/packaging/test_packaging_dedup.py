@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from gs_pkg_containers import RuncContainer, run
-from gs_pkg_registry import Registry
+from stack.registry import Registry
 
 from gpusnap.packaging import api
 from gpusnap.packaging.store import OciStore

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: docker_checkpoint
 from docker_checkpoint import start_from_checkpoint  # noqa: E402
 from gs_pkg_containers import COUNTER, files_of, run
-from gs_pkg_registry import Registry
+from stack.registry import Registry
 
 from gpusnap.packaging import api
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from gs_pkg_containers import files_of
-from gs_pkg_registry import Registry
+from stack.registry import Registry
 
 from gpusnap.errors import IntegrityError, RegistryError
 from gpusnap.packaging import api
@@ -43,7 +43,7 @@ class _KillAfter(NullProgress):
             if self.moved < self.limit or self.killed.is_set():
                 return
             self.killed.set()
-        self.reg.stop()
+        self.reg.kill()
         if self.restart_after is not None:
             threading.Timer(self.restart_after, self.reg.start).start()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from gs_pkg_containers import COUNTER, podman, podman_count, podman_wait_count, run
-from gs_pkg_registry import Registry
+from stack.registry import Registry
 
 from gpusnap.packaging import api
 from gpusnap.packaging.artifact import iter_archive

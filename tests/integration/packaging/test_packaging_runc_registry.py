@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from gs_pkg_containers import COUNTER, RuncContainer, busybox_rootfs, files_of, run
-from gs_pkg_registry import Registry
+from stack.registry import Registry
 
 from gpusnap.errors import RegistryError
 from gpusnap.metadata import CheckpointMetadata, GpuInfo, GpuProcess
@@ -141,9 +141,9 @@ def test_unreachable_registry_fails_cleanly(tmp_path: Path) -> None:
     (src / "pages-1.img").write_bytes(b"x" * 1000)
     store = tmp_path / "store"
     api.store_checkpoint(store, src, form="criu-dir", ref="gs-pkg/x")
-    from gs_pkg_registry import free_port
+    from stack.registry import PKG_PORTS, free_port
 
-    port = free_port()
+    port = free_port(PKG_PORTS)
     t0 = time.monotonic()
     with pytest.raises(RegistryError, match="cannot reach registry"):
         from gpusnap.packaging.registry import RegistryClient, push_artifact

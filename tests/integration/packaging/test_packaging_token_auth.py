@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
 from gs_pkg_containers import files_of
-from gs_pkg_registry import Registry, free_port
+from stack.registry import PKG_PORTS, Registry, free_port
 
 from gpusnap.errors import RegistryError
 from gpusnap.packaging import api
@@ -49,7 +49,7 @@ class TokenService:
         self.bundle = root / "token-ca.pem"
         self.bundle.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
         self.issued: list[str] = []
-        self.port = free_port()
+        self.port = free_port(PKG_PORTS)
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -103,14 +103,14 @@ class TokenService:
 @pytest.fixture
 def token_registry(tmp_path: Path) -> Iterator[tuple[Registry, TokenService]]:
     svc = TokenService(tmp_path)
-    reg = Registry(tmp_path / "registry-token",
+    reg = Registry(tmp_path / "registry-token", PKG_PORTS,
                    auth_yaml=(f"auth:\n  token:\n    realm: {svc.realm}\n    service: {SERVICE}\n    issuer: {ISSUER}\n"
                               f"    rootcertbundle: {svc.bundle}\n"))
     try:
         reg.start()
         yield reg, svc
     finally:
-        reg.stop()
+        reg.kill()
         svc.stop()
 
 

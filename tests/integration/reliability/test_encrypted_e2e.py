@@ -17,22 +17,14 @@ from pathlib import Path
 import pytest
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gs_rel_registry import Registry  # noqa: E402
+from stack.registry import Registry
 
-from gpusnap.errors import ExitCode  # noqa: E402
+from gpusnap.errors import ExitCode
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runc"), reason="needs root and runc")]
 GPUSNAP = str(Path(sys.executable).parent / "gpusnap")
 MARK = "gs-rel-secret-marker"
 COUNTER = f"M={MARK}; i=0; while true; do echo $i; i=$((i+1)); sleep 0.3; done"
-
-
-@pytest.fixture
-def registry(tmp_path: Path):  # type: ignore[no-untyped-def]
-    reg = Registry(tmp_path / "registry").start()
-    yield reg
-    reg.kill()
 
 
 def _gs(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

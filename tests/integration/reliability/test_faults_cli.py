@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit" / "reliability"))
-from gs_rel_registry import Registry  # noqa: E402
 from hostile_http import HostileServer, Reply, Seen  # noqa: E402
+from stack.registry import REL_PORTS, Registry  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runc"), reason="needs root and runc")]
 GPUSNAP = str(Path(sys.executable).parent / "gpusnap")
@@ -64,7 +63,7 @@ def test_kill9_cli_checkpoint_during_push(tmp_path: Path, ledger) -> None:  # ty
         return Reply(500)
 
     ref = f"127.0.0.1:{STALL_PORT}/gs-rel/stall:v1"
-    reg = Registry(tmp_path / "registry").start()
+    reg = Registry(tmp_path / "registry", REL_PORTS).start()
     try:
         with HostileServer("stall", "127.0.0.1", STALL_PORT, log) as server:
             server.script = stall

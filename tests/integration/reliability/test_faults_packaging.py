@@ -16,20 +16,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gs_rel_registry import Registry  # noqa: E402
+from stack.registry import Registry
 
-from gpusnap.errors import GpusnapError  # noqa: E402
-from gpusnap.packaging import api  # noqa: E402
-from gpusnap.packaging.progress import NullProgress  # noqa: E402
-from gpusnap.packaging.registry import RegistryClient, pull_artifact, push_artifact  # noqa: E402
-from gpusnap.packaging.store import OciStore  # noqa: E402
-from gpusnap.packaging.verify import verify_store  # noqa: E402
+from gpusnap.errors import GpusnapError
+from gpusnap.packaging import api
+from gpusnap.packaging.progress import NullProgress
+from gpusnap.packaging.registry import RegistryClient, pull_artifact, push_artifact
+from gpusnap.packaging.store import OciStore
+from gpusnap.packaging.verify import verify_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(os.geteuid() != 0, reason="needs root (tmpfs mounts)")]
 DRIVER = Path(__file__).with_name("gs_rel_transfer.py")
@@ -56,13 +54,6 @@ def _lost(src: Path, store: Path, ref: str, out: Path) -> int:
     got = _files(api.materialize_checkpoint(store, ref, out, form="criu-dir"))
     want = _files(src)
     return sum(1 for k, v in want.items() if got.get(k) != v)
-
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Registry]:
-    reg = Registry(tmp_path / "registry").start()
-    yield reg
-    reg.kill()
 
 
 def _run_and_kill(args: list[str], *, at_bytes: int | None = None, after_s: float | None = None) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: gpu_harness, gpu_worker
-from gpu_harness import Container, Stack, small_tmpfs  # noqa: E402
+from gpu_harness import Container, Stack, small_tmpfs, standin_stack  # noqa: E402
 
 from gpusnap.checkpoint.recovery import recover  # noqa: E402
 from gpusnap.gpu.base import ProcessGpuState  # noqa: E402
@@ -50,17 +50,6 @@ class RelContainer(Container):
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Stack:
-    shim = Path(sys.executable).parent / "gpusnap-runtime"
-    return Stack(base=tmp_path / "stack", mode="cpu", gpu_backend=f"standin:{tmp_path / 'standin'}", shim=str(shim), runc=shutil.which("runc") or "runc")
-
-
-@pytest.fixture
-def backend(stack: Stack) -> StandinBackend:
-    return StandinBackend(Path(stack.gpu_backend.split(":", 1)[1]))
-
-
-@pytest.fixture
 def container(stack: Stack):  # type: ignore[no-untyped-def]
     c = RelContainer(stack, gb=0.25, sleep=0.005)
     yield c.start()
@@ -83,9 +72,7 @@ def criu_stack(tmp_path: Path) -> Stack:
         f'exec {CRIU_REAL} "$@"\n'
     )
     (tools / "criu").chmod(0o755)
-    shim = Path(sys.executable).parent / "gpusnap-runtime"
-    return Stack(base=tmp_path / "stack", mode="cpu", gpu_backend=f"standin:{tmp_path / 'standin'}", shim=str(shim),
-                 runc=shutil.which("runc") or "runc", tools_bin=str(tools))
+    return standin_stack(tmp_path, tools_bin=str(tools))
 
 
 @pytest.fixture

@@ -18,22 +18,13 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from gs_rel_registry import Registry  # noqa: E402
+from stack.registry import Registry
 
-from gpusnap.packaging import api  # noqa: E402
-from gpusnap.packaging.store import OciStore  # noqa: E402
-from gpusnap.packaging.verify import verify_store  # noqa: E402
+from gpusnap.packaging import api
+from gpusnap.packaging.store import OciStore
+from gpusnap.packaging.verify import verify_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(os.geteuid() != 0, reason="needs root and the real container stack")]
-
-
-@pytest.fixture
-def registry(tmp_path: Path):  # type: ignore[no-untyped-def]
-    reg = Registry(tmp_path / "registry").start()
-    yield reg
-    reg.kill()
 
 
 class PeakRss:
@@ -143,10 +134,9 @@ def test_10_containers_checkpointed_and_pushed_at_once(tmp_path: Path, registry:
         pytest.skip("needs runc")
     from test_faults_runtime import RelContainer
 
-    from gpu_harness import Stack
+    from gpu_harness import standin_stack
 
-    shim = Path(sys.executable).parent / "gpusnap-runtime"
-    stack = Stack(base=tmp_path / "stack", mode="cpu", gpu_backend=f"standin:{tmp_path / 'standin'}", shim=str(shim), runc=shutil.which("runc") or "runc")
+    stack = standin_stack(tmp_path)
     containers = [RelContainer(stack, gb=0.05, sleep=0.01) for _ in range(10)]
     try:
         for c in containers:

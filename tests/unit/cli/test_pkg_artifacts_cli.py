@@ -87,3 +87,15 @@ def test_errors_are_one_line_with_documented_codes(app: typer.Typer, store: Path
     assert code == ExitCode.NOT_FOUND and err.count("\n") == 1 and "gpusnap ls" in err
     code, _, err = _run(app, "push", "missing:v1", "bad ref!", "--store", str(store))
     assert code in (ExitCode.NOT_FOUND, ExitCode.USAGE) and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("extra", [[], ["--encrypt-key", "/nonexistent/key"]])
+def test_push_podman_image_refuses_with_nothing_done(app: typer.Typer, store: Path, extra: list[str]) -> None:
+    """A runc checkpoint cannot become podman's checkpoint image, nor an encrypted push one: one
+    line, exit 2, before the store changes or the registry (nothing listens there) is asked."""
+    ref = "127.0.0.1:5100/gs-pkg/a-rather-long-repository-name/checkpoint:v1"
+    before = api.list_checkpoints(store)
+    code, out, err = _run(app, "push", ref, "127.0.0.1:9/gs-pkg/never:v1", "--podman-image", "--store", str(store), *extra)
+    assert code == ExitCode.USAGE, (out, err)
+    assert len(err.strip().splitlines()) == 1 and "--podman-image" in err, err
+    assert api.list_checkpoints(store) == before

@@ -1,30 +1,8 @@
-"""Wires this directory's tests to the reliability ledger (tests/reliability/ledger.py)."""
-
-from __future__ import annotations
+"""Wires this directory's tests to the reliability ledger (tests/reliability/reliability_ledger.py)."""
 
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "reliability"))
 
-import reliability_ledger as _ledger  # noqa: E402
-
-
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    _ledger.clear_once(config)
-
-
-def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: pytest.Config) -> None:
-    _ledger.summary_once(config, terminalreporter)
-
-
-@pytest.fixture
-def ledger(pytestconfig: pytest.Config) -> _ledger.Ledger:
-    return _ledger.Ledger(_ledger.ledger_path(pytestconfig.rootpath))
-
-
-@pytest.fixture(scope="module")
-def module_ledger(pytestconfig: pytest.Config) -> _ledger.Ledger:
-    return _ledger.Ledger(_ledger.ledger_path(pytestconfig.rootpath))
+from reliability_ledger import ledger, module_ledger, pytest_collection_modifyitems, pytest_terminal_summary  # noqa: E402,F401
