@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 from gpusnap import __version__
@@ -24,6 +23,7 @@ from gpusnap.steps import Step, StepFailed, run_steps
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (create pays for imports)
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from typing import Any
 
 

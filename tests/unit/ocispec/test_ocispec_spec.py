@@ -57,5 +57,6 @@ def test_save_is_atomic_and_keeps_mode(tmp_path: Path) -> None:
     path.chmod(0o600)
     save_spec(path, GOOD)
     assert json.loads(path.read_text()) == GOOD
+    assert path.read_text() == json.dumps(GOOD, separators=(",", ":"))  # compact: one line
     assert path.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
