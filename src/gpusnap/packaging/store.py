@@ -79,10 +79,14 @@ class Descriptor:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Descriptor":
         try:
+            size = d["size"]
+            # JSON gives int64 sizes; a float (1e400 parses as inf), a bool or a negative number is a lie.
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"size {size!r} is not a non-negative integer")
             return cls(
                 media_type=str(d["mediaType"]),
                 digest=validate_digest(str(d["digest"])),
-                size=int(d["size"]),
+                size=size,
                 annotations=dict(d.get("annotations") or {}),
                 artifact_type=d.get("artifactType"),
             )

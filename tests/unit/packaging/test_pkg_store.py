@@ -119,3 +119,14 @@ def test_reference_normalization() -> None:
     assert normalize_ref("a") == "a:latest"
     assert normalize_ref("127.0.0.1:5100/a/b") == "127.0.0.1:5100/a/b:latest"
     assert normalize_ref("127.0.0.1:5100/a/b:v1") == "127.0.0.1:5100/a/b:v1"
+
+
+@pytest.mark.parametrize("size", [float("inf"), 1.5, True, -1, "12", None])
+def test_descriptor_size_must_be_a_non_negative_integer(size: object) -> None:
+    from gpusnap.errors import IntegrityError
+    from gpusnap.packaging.store import Descriptor
+
+    d = {"mediaType": "application/octet-stream", "digest": "sha256:" + "a" * 64, "size": size}
+    with pytest.raises(IntegrityError, match="malformed OCI descriptor"):
+        Descriptor.from_dict(d)
+    assert Descriptor.from_dict({**d, "size": 0}).size == 0
