@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,57 @@ def test_reference_normalization() -> None:
     assert normalize_ref("a") == "a:latest"
     assert normalize_ref("127.0.0.1:5100/a/b") == "127.0.0.1:5100/a/b:latest"
     assert normalize_ref("127.0.0.1:5100/a/b:v1") == "127.0.0.1:5100/a/b:v1"
+
+
+def test_synced_blobs_are_published_without_syncfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """writer(sync=True) fdatasyncs each blob itself; publish then only renames. One unsynced
+    blob in the operation brings the filesystem-wide syncfs back."""
+    import gpusnap.packaging.store as store_mod
+
+    calls = {"syncfs": 0, "fdatasync": 0}
+    real_fdatasync = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        calls["fdatasync"] += 1
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(store_mod, "_syncfs", lambda path: calls.__setitem__("syncfs", calls["syncfs"] + 1))
+    monkeypatch.setattr(store_mod.os, "fdatasync", fdatasync)
+    s = OciStore(tmp_path)
+    d1 = s.put_bytes(b"synced one", sync=True)
+    with s.writer(sync=True, buffered=False) as w:
+        w.write(b"synced two")
+        d2 = w.commit()
+    s.publish()
+    assert calls == {"syncfs": 0, "fdatasync": 2}
+    assert OciStore(tmp_path).has_blob(d1) and OciStore(tmp_path).has_blob(d2)
+    s.put_bytes(b"unsynced", sync=False)
+    s.put_bytes(b"synced three", sync=True)
+    s.publish()
+    assert calls == {"syncfs": 1, "fdatasync": 3}
+    s.put_bytes(b"after a discard", sync=False)
+    s.discard_pending()
+    s.put_bytes(b"synced four", sync=True)
+    s.publish()
+    assert calls["syncfs"] == 1, "a discarded unsynced blob must not force a syncfs later"
+
+
+def test_unbuffered_writer_completes_short_writes(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    w = s.writer(buffered=False)
+    real_write = w._file.write
+
+    class Trickle:  # a raw file that takes at most 3 bytes per call, as write(2) may
+        def __getattr__(self, name: str) -> object:
+            return getattr(w._file_real, name)
+
+        def write(self, data: bytes) -> int:
+            return real_write(memoryview(data)[:3])
+
+    w._file_real = w._file  # type: ignore[attr-defined]
+    w._file = Trickle()  # type: ignore[assignment]
+    payload = bytes(range(256)) * 5
+    w.write(payload)
+    w._file = w._file_real  # type: ignore[attr-defined]
+    d = w.commit(sha256_digest(payload), len(payload))
+    assert s.blob_path(d).read_bytes() == payload
