@@ -174,3 +174,27 @@ def test_unbuffered_writer_completes_short_writes(tmp_path: Path) -> None:
     w._file = w._file_real  # type: ignore[attr-defined]
     d = w.commit(sha256_digest(payload), len(payload))
     assert s.blob_path(d).read_bytes() == payload
+
+
+def test_synced_writer_starts_writeback_as_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A synced writer hands every WRITEBACK_EVERY bytes to the kernel as they are written,
+    contiguous and in order; an unsynced writer (store_checkpoint) never does."""
+    import gpusnap.packaging.store as store_mod
+
+    ranges: list[tuple[int, int]] = []
+    monkeypatch.setattr(store_mod, "WRITEBACK_EVERY", 1000)
+    monkeypatch.setattr(store_mod, "_start_writeback", lambda fd, off, n: ranges.append((off, n)))
+    s = OciStore(tmp_path)
+    payload = bytes(range(256)) * 20  # 5120 bytes
+    with s.writer(sync=True, buffered=False) as w:
+        for i in range(0, len(payload), 700):
+            w.write(payload[i:i + 700])
+        d = w.commit(sha256_digest(payload), len(payload))
+    # 700-byte writes: a range after every second one; the last 920 bytes are left to fdatasync
+    assert ranges == [(0, 1400), (1400, 1400), (2800, 1400)]
+    assert s.blob_path(d).read_bytes() == payload
+    ranges.clear()
+    with s.writer() as w:
+        w.write(payload * 2)
+        w.commit()
+    assert ranges == []
