@@ -154,7 +154,9 @@ class BlobWriter:
 
     ``sync``: :meth:`commit` fdatasyncs the file itself, so the blob needs no syncfs at
     :meth:`OciStore.publish` (for writers that run on several threads at once, e.g. a pull:
-    each flush overlaps the other transfers instead of all of them waiting at the end).
+    each flush overlaps the other transfers instead of all of them waiting at the end); such a
+    writer also starts writeback every ``WRITEBACK_EVERY`` bytes, so the fdatasync finds most
+    of the blob already on its way to disk.
     ``buffered``: writes go through a 1 MiB buffer; callers that already write large pieces
     (a pull writes what one ``readinto`` returned) pass False and save a copy.
     """
