@@ -12,7 +12,10 @@ module implements the distribution API directly:
   pushed to or pulled from, monolithic PUT for small blobs, chunked PATCH for large ones with
   resume from the registry's reported offset after a failure, several blobs in parallel, every
   body streamed from disk (memory bounded by the chunk size, not the blob size);
-* pull: blobs streamed into the store's ingest area with the digest computed on the fly; a blob
+* pull: blobs streamed into the store's ingest area with the digest computed on the fly (the
+  body is read with ``readinto`` into one reusable buffer per transfer, hashed and written
+  from there: no per-read allocation, no extra copy); each blob is written back as it arrives
+  and fdatasynced when it completes, overlapping the flush with the other transfers; a blob
   becomes visible only when its digest and size match; interrupted downloads resume with a
   Range request;
 * retries with exponential backoff on connection errors, 429 and 5xx.
@@ -20,6 +23,7 @@ module implements the distribution API directly:
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import threading
@@ -52,6 +56,9 @@ MANIFEST_ACCEPT = ", ".join([MEDIA_OCI_MANIFEST, MEDIA_OCI_INDEX, MEDIA_DOCKER_M
 MONOLITHIC_LIMIT = 32 << 20  # blobs up to this size go in one streamed PUT
 PATCH_SIZE = 64 << 20  # larger blobs go in PATCH requests of this size (resume granularity)
 READ_SIZE = 1 << 20
+# Blob downloads: one buffer per transfer, refilled by readinto. 256 KiB keeps the receive copy,
+# the hash and the page-cache copy in L2 (with 8 transfers, 1 MiB buffers cost ~50 % more sys time).
+RECV_SIZE = 256 << 10
 SEND_SIZE = 4 << 20  # request bodies are read from disk in pieces of this size (8 workers: 32 MiB)
 MAX_MANIFEST = 16 << 20
 WORKERS = 8
@@ -385,9 +392,17 @@ class RegistryClient:
             return False
         scope = f"repository:{repo}:pull"
         failures = 0
-        with store.writer() as w:
+        buf = memoryview(bytearray(RECV_SIZE))
+        # sync: the blob is fdatasynced when it completes, while the other transfers go on, so
+        # publishing the pull needs no syncfs at the end; unbuffered: writes come in RECV_SIZE
+        # pieces already.
+        with store.writer(sync=True, buffered=False) as w:
             while True:
-                headers = {"Range": f"bytes={w.size}-"} if w.size else {}
+                # identity: the digest is over the bytes as stored; a compressed transfer would
+                # only add work on both sides.
+                headers = {"Accept-Encoding": "identity"}
+                if w.size:
+                    headers["Range"] = f"bytes={w.size}-"
                 try:
                     r = self.request("GET", f"/v2/{repo}/blobs/{desc.digest}", scope=scope, stream=True, headers=headers,
                                      ok=(200, 206), allow=(404,))
@@ -398,11 +413,7 @@ class RegistryClient:
                             progress.advance(-w.size)
                             w.abort()
                             return self.download_blob(repo, desc, store, progress, _restarts + 1)
-                        for data in r.iter_content(READ_SIZE):
-                            if w.size + len(data) > desc.size:
-                                raise IntegrityError(f"blob {desc.digest} from {self.registry} is larger than its descriptor says; refusing it")
-                            w.write(data)
-                            progress.advance(len(data))
+                        _receive_body(r, w, desc, buf, progress, self.registry)
                     if w.size < desc.size:
                         raise requests.ConnectionError(f"stream ended at {w.size} of {desc.size} bytes")
                     w.commit(desc.digest, desc.size)
@@ -414,6 +425,42 @@ class RegistryClient:
                             raise
                         raise RegistryError(f"download of {desc.digest} from {self.registry} failed: {exc}") from None
                     time.sleep(self.backoff_s * (2 ** (failures - 1)))
+
+
+def _receive_body(r: requests.Response, w: Any, desc: Descriptor, buf: memoryview, progress: Progress, registry: str) -> None:
+    """Copy a blob response body into the writer ``w`` (which hashes it), never past ``desc.size``.
+
+    Fast path: the body is read with ``readinto`` from the standard library's response under
+    urllib3 (it handles Content-Length and chunked framing) into ``buf``, which is hashed and
+    written from there — one buffer for the whole blob instead of a new ``bytes`` per read
+    and the copies through urllib3's and the file's buffers. A fully read response gives its
+    connection back to the pool, as ``iter_content`` would. Anything else (a content-encoded
+    body, another urllib3 backend) goes through ``iter_content``. Read errors become
+    ``requests.ConnectionError``, so the caller resumes with a Range request either way.
+    """
+    fp = getattr(r.raw, "_fp", None)
+    encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
+    too_large = f"blob {desc.digest} from {registry} is larger than its descriptor says; refusing it"
+    if not isinstance(fp, http.client.HTTPResponse) or encoding not in ("", "identity"):
+        for data in r.iter_content(READ_SIZE):
+            if w.size + len(data) > desc.size:
+                raise IntegrityError(too_large)
+            w.write(data)
+            progress.advance(len(data))
+        return
+    while True:
+        try:
+            n = fp.readinto(buf)
+        except (OSError, http.client.HTTPException) as exc:
+            raise requests.ConnectionError(f"blob download broke off: {exc!r}") from None
+        if not n:
+            break
+        if w.size + n > desc.size:
+            raise IntegrityError(too_large)
+        w.write(buf[:n])
+        progress.advance(n)
+    if fp.isclosed() and w.size == desc.size:  # the whole body was read: the connection can serve the next blob
+        r.raw.release_conn()
 
 
 def _error_text(r: requests.Response) -> str:
@@ -686,7 +733,7 @@ def pull_artifact(
     with store.writing():
         try:
             _parallel(one, list(blobs.values()), client.workers)
-            store.put_bytes(data, digest)
+            store.put_bytes(data, digest, sync=True)
             store.tag(local_ref, Descriptor(media or MEDIA_OCI_MANIFEST, digest, len(data), artifact_type=manifest.get("artifactType")))
         except BaseException:
             # Nothing half-done: what this pull downloaded is still pending in ingest/ (only

@@ -2,9 +2,10 @@
 
 Layout (OCI image-layout 1.0): ``oci-layout``, ``index.json``, ``blobs/sha256/<hex>``, plus
 ``ingest/`` for blobs being written. A blob is written to ``ingest/``, hashed while written,
-fsynced, and only then renamed into ``blobs/`` if its digest matches what was expected: a blob
-that is visible is always whole and correct. Identical content (e.g. unchanged memory chunks of
-two checkpoints) lands on the same path and is stored once.
+made durable (its own fdatasync, or one syncfs for the whole operation), and only then renamed
+into ``blobs/`` if its digest matches what was expected: a blob that is visible is always whole
+and correct. Identical content (e.g. unchanged memory chunks of two checkpoints) lands on the
+same path and is stored once.
 
 Concurrency: ``index.json`` changes happen under an exclusive ``flock``; writers of new content
 hold a shared ``gc.lock`` for as long as their blobs are not yet referenced by a tag, and ``gc``
@@ -50,6 +51,37 @@ def _syncfs(path: Path) -> None:
             os.sync()
     finally:
         os.close(fd)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+WRITEBACK_EVERY = 4 << 20  # a synced writer asks the kernel to start writing after this many bytes
+
+
+def _sync_file_range_fn() -> Any:
+    """libc's sync_file_range(2) (os has no wrapper), or None where there is none."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _sync_file_range_fn()
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``length`` bytes at ``offset`` of ``fd`` to disk now, without waiting.
+
+    Best effort (an error or no sync_file_range only means the fdatasync at commit has more
+    to do): the disk then works while the rest of the blob and the other blobs arrive,
+    instead of receiving each blob in one burst at its fdatasync.
+    """
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -122,16 +154,27 @@ def _storage_error(exc: OSError, root: Path) -> GpusnapError:
 
 
 class BlobWriter:
-    """A file in ``ingest/`` hashed as it is written; :meth:`commit` makes it a visible blob."""
+    """A file in ``ingest/`` hashed as it is written; :meth:`commit` makes it a visible blob.
 
-    def __init__(self, store: "OciStore") -> None:
+    ``sync``: :meth:`commit` fdatasyncs the file itself, so the blob needs no syncfs at
+    :meth:`OciStore.publish` (for writers that run on several threads at once, e.g. a pull:
+    each flush overlaps the other transfers instead of all of them waiting at the end); such a
+    writer also starts writeback every ``WRITEBACK_EVERY`` bytes, so the fdatasync finds most
+    of the blob already on its way to disk.
+    ``buffered``: writes go through a 1 MiB buffer; callers that already write large pieces
+    (a pull writes what one ``readinto`` returned) pass False and save a copy.
+    """
+
+    def __init__(self, store: "OciStore", *, sync: bool = False, buffered: bool = True) -> None:
         self._store = store
+        self._sync = sync
         fd, name = tempfile.mkstemp(dir=store.ingest_dir, prefix="blob-")
-        self._file: IO[bytes] = os.fdopen(fd, "wb", buffering=1 << 20)
+        self._file: IO[bytes] = os.fdopen(fd, "wb", buffering=(1 << 20) if buffered else 0)
         self._path = Path(name)
         self._hash = hashlib.sha256()
         self.size = 0
         self._done = False
+        self._written_back = 0  # bytes handed to _start_writeback so far (synced writers)
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         if self._done:
@@ -139,10 +182,21 @@ class BlobWriter:
             return len(data)
         self._hash.update(data)
         try:
-            self._file.write(data)
+            written = self._file.write(data)
+            if written is not None and written < len(data):  # unbuffered: a short write is possible
+                view = memoryview(data)
+                while written < len(view):
+                    n = self._file.write(view[written:])
+                    if not n:
+                        raise OSError(errno.EIO, "short write")
+                    written += n
         except OSError as exc:
             raise _storage_error(exc, self._store.root) from None
         self.size += len(data)
+        if self._sync and WRITEBACK_EVERY and self.size - self._written_back >= WRITEBACK_EVERY:
+            self._file.flush()
+            _start_writeback(self._file.fileno(), self._written_back, self.size - self._written_back)
+            self._written_back = self.size
         return len(data)
 
     def flush(self) -> None:  # tarfile and zstandard call it
@@ -165,6 +219,9 @@ class BlobWriter:
                     f"blob {digest} size mismatch: expected {expected_size} bytes, got {self.size}; the data was discarded"
                 )
             try:
+                if self._sync:
+                    self._file.flush()
+                    os.fdatasync(self._file.fileno())
                 self._file.close()
             except OSError as exc:
                 raise _storage_error(exc, self._store.root) from None
@@ -172,7 +229,7 @@ class BlobWriter:
                 self._path.unlink()
             else:
                 os.chmod(self._path, 0o600)
-                self._store._add_pending(digest, self._path)
+                self._store._add_pending(digest, self._path, durable=self._sync)
             self._done = True
             return digest
         finally:
@@ -208,6 +265,7 @@ class OciStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self._pending: dict[str, Path] = {}
+        self._unsynced: set[str] = set()  # pending blobs whose data may not be on disk yet
         self._pending_lock = threading.Lock()
         self.blobs_dir = self.root / "blobs" / "sha256"
         self.ingest_dir = self.root / "ingest"
@@ -229,23 +287,31 @@ class OciStore:
                     self._write_index({"schemaVersion": 2, "mediaType": MEDIA_OCI_INDEX, "manifests": []})
 
     # ---- blobs --------------------------------------------------------------------------------
-    # Verified blobs wait in ingest/ ("pending") until :meth:`publish`: one syncfs makes all of
-    # them durable, then they are renamed into blobs/. A blob in blobs/ is therefore always
-    # whole, verified and on disk, at the cost of one flush per operation instead of one fsync
-    # per blob (which halved pull speed for a 2 GiB checkpoint of ~400 chunks).
-    def _add_pending(self, digest: str, path: Path) -> None:
+    # Verified blobs wait in ingest/ ("pending") until :meth:`publish`, which makes all of them
+    # durable, then renames them into blobs/. A blob in blobs/ is therefore always whole,
+    # verified and on disk. Two ways to durability: a single-threaded writer (store_checkpoint)
+    # leaves its blobs unsynced and publish pays one syncfs for all of them (an fsync per blob
+    # in line would stall the chunker); parallel writers (pull) fdatasync each blob as it
+    # completes (``writer(sync=True)``), overlapping the flush with the other transfers, and
+    # publish then only renames (no syncfs, which would also flush unrelated dirty data on the
+    # same filesystem).
+    def _add_pending(self, digest: str, path: Path, *, durable: bool = False) -> None:
         with self._pending_lock:
             if digest in self._pending:
                 path.unlink()
             else:
                 self._pending[digest] = path
+                if not durable:
+                    self._unsynced.add(digest)
 
     def publish(self) -> None:
         with self._pending_lock:
             pending, self._pending = self._pending, {}
+            unsynced, self._unsynced = self._unsynced, set()
         if not pending:
             return
-        _syncfs(self.root)
+        if unsynced:
+            _syncfs(self.root)
         for digest, path in pending.items():
             final = self.blobs_dir / digest.split(":", 1)[1]
             if final.exists():
@@ -258,6 +324,7 @@ class OciStore:
         """Drop every blob this store object wrote but did not publish (a failed operation)."""
         with self._pending_lock:
             pending, self._pending = self._pending, {}
+            self._unsynced = set()
         for path in pending.values():
             path.unlink(missing_ok=True)
 
@@ -269,11 +336,11 @@ class OciStore:
     def has_blob(self, digest: str) -> bool:
         return self.blob_path(digest).is_file()
 
-    def writer(self) -> BlobWriter:
-        return BlobWriter(self)
+    def writer(self, *, sync: bool = False, buffered: bool = True) -> BlobWriter:
+        return BlobWriter(self, sync=sync, buffered=buffered)
 
-    def put_bytes(self, data: bytes, expected_digest: str | None = None) -> str:
-        with self.writer() as w:
+    def put_bytes(self, data: bytes, expected_digest: str | None = None, *, sync: bool = False) -> str:
+        with self.writer(sync=sync) as w:
             w.write(data)
             return w.commit(expected_digest, len(data) if expected_digest else None)
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,81 @@ def test_descriptor_size_must_be_a_non_negative_integer(size: object) -> None:
     with pytest.raises(IntegrityError, match="malformed OCI descriptor"):
         Descriptor.from_dict(d)
     assert Descriptor.from_dict({**d, "size": 0}).size == 0
+
+
+def test_synced_blobs_are_published_without_syncfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """writer(sync=True) fdatasyncs each blob itself; publish then only renames. One unsynced
+    blob in the operation brings the filesystem-wide syncfs back."""
+    import gpusnap.packaging.store as store_mod
+
+    calls = {"syncfs": 0, "fdatasync": 0}
+    real_fdatasync = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        calls["fdatasync"] += 1
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(store_mod, "_syncfs", lambda path: calls.__setitem__("syncfs", calls["syncfs"] + 1))
+    monkeypatch.setattr(store_mod.os, "fdatasync", fdatasync)
+    s = OciStore(tmp_path)
+    d1 = s.put_bytes(b"synced one", sync=True)
+    with s.writer(sync=True, buffered=False) as w:
+        w.write(b"synced two")
+        d2 = w.commit()
+    s.publish()
+    assert calls == {"syncfs": 0, "fdatasync": 2}
+    assert OciStore(tmp_path).has_blob(d1) and OciStore(tmp_path).has_blob(d2)
+    s.put_bytes(b"unsynced", sync=False)
+    s.put_bytes(b"synced three", sync=True)
+    s.publish()
+    assert calls == {"syncfs": 1, "fdatasync": 3}
+    s.put_bytes(b"after a discard", sync=False)
+    s.discard_pending()
+    s.put_bytes(b"synced four", sync=True)
+    s.publish()
+    assert calls["syncfs"] == 1, "a discarded unsynced blob must not force a syncfs later"
+
+
+def test_unbuffered_writer_completes_short_writes(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    w = s.writer(buffered=False)
+    real_write = w._file.write
+
+    class Trickle:  # a raw file that takes at most 3 bytes per call, as write(2) may
+        def __getattr__(self, name: str) -> object:
+            return getattr(w._file_real, name)
+
+        def write(self, data: bytes) -> int:
+            return real_write(memoryview(data)[:3])
+
+    w._file_real = w._file  # type: ignore[attr-defined]
+    w._file = Trickle()  # type: ignore[assignment]
+    payload = bytes(range(256)) * 5
+    w.write(payload)
+    w._file = w._file_real  # type: ignore[attr-defined]
+    d = w.commit(sha256_digest(payload), len(payload))
+    assert s.blob_path(d).read_bytes() == payload
+
+
+def test_synced_writer_starts_writeback_as_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A synced writer hands every WRITEBACK_EVERY bytes to the kernel as they are written,
+    contiguous and in order; an unsynced writer (store_checkpoint) never does."""
+    import gpusnap.packaging.store as store_mod
+
+    ranges: list[tuple[int, int]] = []
+    monkeypatch.setattr(store_mod, "WRITEBACK_EVERY", 1000)
+    monkeypatch.setattr(store_mod, "_start_writeback", lambda fd, off, n: ranges.append((off, n)))
+    s = OciStore(tmp_path)
+    payload = bytes(range(256)) * 20  # 5120 bytes
+    with s.writer(sync=True, buffered=False) as w:
+        for i in range(0, len(payload), 700):
+            w.write(payload[i:i + 700])
+        d = w.commit(sha256_digest(payload), len(payload))
+    # 700-byte writes: a range after every second one; the last 920 bytes are left to fdatasync
+    assert ranges == [(0, 1400), (1400, 1400), (2800, 1400)]
+    assert s.blob_path(d).read_bytes() == payload
+    ranges.clear()
+    with s.writer() as w:
+        w.write(payload * 2)
+        w.commit()
+    assert ranges == []
