@@ -31,13 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.config import Settings
-from gpusnap.criu.config import (
-    EXTRA_OPTIONS_ANNOTATION,
-    NETWORK_LOCK_SKIP,
-    skips_network_lock,
-    takes_network_lock_option,
-    with_network_lock_skip,
-)
+from gpusnap.criu.config import skips_network_lock, takes_network_lock_option, with_network_lock_skip
 from gpusnap.engines.base import (
     FORM_CRIU_DIR,
     CheckpointOptions,
@@ -412,12 +406,12 @@ class RuncDirectEngine:
             name=name, command=list(command), rootfs=rootfs, network=network, env=list(env or []), created=rfc3339_now(), publish=list(publish or []),
             ip=ip or "", overlay_lower=overlay_lower,
         )
-        self._start(rec, restore_from=None)
+        self._start(rec, restore_from=None, skip_lock=self._lock_skippable(rec))
         info = self.get(name)
         assert info is not None
         return info
 
-    def _prepare_bundle(self, rec: RuncDirectRecord, spec: dict[str, Any] | None, upper_archive: Path | None = None) -> list[Step]:
+    def _prepare_bundle(self, rec: RuncDirectRecord, spec: dict[str, Any] | None, upper_archive: Path | None, skip_lock: bool) -> list[Step]:
         cdir = self.container_dir(rec.name)
         bundle = cdir / "bundle"
         steps: list[Step] = []
@@ -441,7 +435,7 @@ class RuncDirectEngine:
             netns = (rec.network_record or {}).get("netns_path")
             cfg = make_spec(rec.name, rec.command, root, rec.env, netns) if spec is None else _retarget_spec(spec, rec.name, root, netns)
             # Decided on the host that runs the container (a restore elsewhere decides again).
-            with_network_lock_skip(cfg.setdefault("annotations", {}), rec.network == "none" and self._criu_takes_network_lock())
+            with_network_lock_skip(cfg.setdefault("annotations", {}), skip_lock)
             (bundle / "config.json").write_text(json.dumps(cfg, indent=2))
 
         steps.append(Step("write config.json", write_spec))
@@ -455,11 +449,15 @@ class RuncDirectEngine:
         except MissingDependencyError:
             return None  # start anyway: CRIU is needed only to checkpoint, which says so
 
-    def _criu_takes_network_lock(self) -> bool:
+    def _lock_skippable(self, rec: RuncDirectRecord) -> bool:
+        """Whether CRIU may skip the network lock for ``rec``: no network, and a CRIU (4.2+)
+        that takes ``network-lock skip`` from runc's config file."""
+        if rec.network != "none":
+            return False
         version = self._criu_version()
         return version is not None and takes_network_lock_option(version)
 
-    def _check_network_lock(self, rec: RuncDirectRecord, annotations: dict[str, str], what: str) -> None:
+    def _require_network_lock(self, rec: RuncDirectRecord, skip_lock: bool, what: str) -> None:
         """Refuse, before anything moves, a CRIU run that would fail on its network lock.
 
         CRIU locks the container's network namespace with iptables-restore (at dump and at
@@ -467,21 +465,14 @@ class RuncDirectEngine:
         CRIU 4.2+ runs them through gpusnap-runtime (see gpusnap.criu.config.NETWORK_LOCK_SKIP).
         Found out mid-dump, it would cost a GPU state round trip and a rollback.
         """
-        if self.runtime_name() == "gpusnap-runtime" and skips_network_lock(annotations):
-            version = self._criu_version()
-            if version is not None and not takes_network_lock_option(version):
-                have = ".".join(map(str, version))
-                raise MissingDependencyError(
-                    f"cannot {what} {rec.name}: it was set up for CRIU 4.2+ (network-lock skip) but CRIU here is {have}, which crashes on that option; install CRIU 4.2 or newer"
-                )
+        if (skip_lock and self.runtime_name() == "gpusnap-runtime") or shutil.which("iptables-restore") is not None:
             return
-        if shutil.which("iptables-restore") is None:
-            fix = "install iptables (apt-get install iptables)"
-            if rec.network == "none" and what == "checkpoint" and self._criu_takes_network_lock():
-                fix += ", or start the container again: with this CRIU gpusnap skips the lock for a container without network"
-            elif rec.network == "none":
-                fix += " or use CRIU 4.2+ with gpusnap-runtime (gpusnap then skips the lock for a container without network)"
-            raise MissingDependencyError(f"cannot {what} {rec.name}: CRIU locks its network namespace with iptables-restore, which is not on PATH; {fix}")
+        fix = "install iptables (apt-get install iptables)"
+        if what == "checkpoint" and self._lock_skippable(rec):
+            fix += ", or start the container again: with this CRIU gpusnap skips the lock for a container without network"
+        elif rec.network == "none":
+            fix += " or use CRIU 4.2+ with gpusnap-runtime (gpusnap then skips the lock for a container without network)"
+        raise MissingDependencyError(f"cannot {what} {rec.name}: CRIU locks its network namespace with iptables-restore, which is not on PATH; {fix}")
 
     def _network_up(self, rec: RuncDirectRecord) -> None:
         if rec.network == "none":
@@ -500,7 +491,9 @@ class RuncDirectEngine:
             return
         _network_manager(self.settings).remove(rec.name)
 
-    def _start(self, rec: RuncDirectRecord, restore_from: Path | None, spec: dict[str, Any] | None = None, tcp_established: bool = False) -> None:
+    def _start(
+        self, rec: RuncDirectRecord, restore_from: Path | None, *, skip_lock: bool, spec: dict[str, Any] | None = None, tcp_established: bool = False
+    ) -> None:
         bundle = self.container_dir(rec.name) / "bundle"
         pipes: dict[str, int] = {}
 
@@ -563,7 +556,7 @@ class RuncDirectEngine:
             self._save(rec)
 
         steps = [
-            *self._prepare_bundle(rec, spec, _upper_archive(restore_from)),
+            *self._prepare_bundle(rec, spec, _upper_archive(restore_from), skip_lock),
             Step("start the log copier", spawn_logcopy, stop_logcopy),
             Step("restore the container" if restore_from else "start the container", start, undo_start),
         ]
@@ -580,7 +573,15 @@ class RuncDirectEngine:
         if not self.is_running(container):
             raise CheckpointError(f"{container.name} is not running ({container.status}); only running containers can be checkpointed")
         spec_path = self.container_dir(rec.name) / "bundle" / "config.json"
-        self._check_network_lock(rec, json.loads(spec_path.read_text()).get("annotations", {}), "checkpoint")
+        skip_lock = skips_network_lock(json.loads(spec_path.read_text()).get("annotations", {}))
+        if skip_lock and self.runtime_name() == "gpusnap-runtime":
+            version = self._criu_version()  # the CRIU here now, maybe not the one it started with
+            if version is not None and not takes_network_lock_option(version):
+                raise MissingDependencyError(
+                    f"cannot checkpoint {rec.name}: it was set up for CRIU 4.2+ (network-lock skip) but CRIU here is {'.'.join(map(str, version))}, "
+                    "which crashes on that option; install CRIU 4.2 or newer"
+                )
+        self._require_network_lock(rec, skip_lock, "checkpoint")
         dest.mkdir(parents=True)
         work = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name)))
         args = ["checkpoint", "--image-path", str(dest), "--work-path", str(work)]
@@ -640,9 +641,9 @@ class RuncDirectEngine:
             restored_from=old.name,
             overlay_lower=old.overlay_lower,
         )
-        would_skip = rec.network == "none" and self._criu_takes_network_lock()
-        self._check_network_lock(rec, {EXTRA_OPTIONS_ANNOTATION: NETWORK_LOCK_SKIP} if would_skip else {}, "restore")
-        self._start(rec, restore_from=source, spec=saved["spec"], tcp_established=opts.tcp_established)
+        skip_lock = self._lock_skippable(rec)
+        self._require_network_lock(rec, skip_lock, "restore")
+        self._start(rec, restore_from=source, skip_lock=skip_lock, spec=saved["spec"], tcp_established=opts.tcp_established)
         info = self.get(name)
         assert info is not None
         return info
