@@ -296,7 +296,7 @@ def gpu_timings(timings: dict[str, float]) -> dict[str, float]:
 
 
 def run_gpu_demo(settings: Settings, name: str, keep: bool, say: Callable[[str], None], params: GpuDemoParams) -> dict[str, object]:
-    require_torch(params.python)
+    """The CUDA round trip; the caller has checked ``params.python`` (:func:`require_torch`)."""
     engine = RuncDirectEngine(settings)
     restored_name = f"{name}-restored"
     for n in (name, restored_name):
@@ -376,16 +376,19 @@ def register(app: typer.Typer) -> None:
         c = get_ctx(ctx)
         say = (lambda _t: None) if as_json else c.out.info
         use_gpu = choose_gpu(gpu, lambda: gpu_unavailable_reason(c.settings))
+        python_exe = python or default_python()
         fallback = None
         if use_gpu and gpu is None and python is None:
             # A GPU host whose default python3 has no PyTorch (a bare driver install): the user
             # asked for nothing in particular, so show the CPU demo and say how to get the CUDA one.
-            fallback = torch_missing_reason(default_python())
+            fallback = torch_missing_reason(python_exe)
             if fallback is not None:
                 use_gpu = False
                 say(f"a GPU is here, but {fallback}: showing the busybox counter (pass --python PATH to an interpreter with PyTorch for the CUDA workload)")
+        elif use_gpu:
+            require_torch(python_exe)  # asked for: an error, checked before anything starts
         if use_gpu:
-            result = run_gpu_demo(c.settings, name, keep, say, GpuDemoParams(python=python or default_python()))
+            result = run_gpu_demo(c.settings, name, keep, say, GpuDemoParams(python=python_exe))
         else:
             result = {"mode": "counter", **run_demo(c.settings, name, keep, say), **({"gpu_skipped": fallback} if fallback else {})}
         if as_json:
