@@ -10,6 +10,7 @@ Only the standard library is imported here: the runtime shim loads this on every
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -59,6 +60,9 @@ class Settings:
     network_subnet: str = "10.210.0.0/16"
     network_prefix: str = "gpusnap"
     config_file: Path = DEFAULT_CONFIG_FILE
+    # CRIU options the admin adds for every container (``criu_options`` in the config file):
+    # the only way options outside gpusnap.criu.config.CONTAINER_OPTIONS reach CRIU.
+    criu_options: tuple[str, ...] = ()
 
 
 _ENV = {
@@ -80,6 +84,10 @@ _FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"ro
 
 
 def _coerce(name: str, value: object, source: str) -> object:
+    if name == "criu_options":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UsageError(f"{source}: criu_options must be a list of strings, one CRIU option each (\"ghost-limit 10M\")")
+        return tuple(value)
     if name == "host":
         return HostPaths(Path(str(value)))
     if name in ("run_dir", "state_dir", "store_dir"):
@@ -98,6 +106,8 @@ def load_settings(env: Mapping[str, str] | None = None, config_file: Path | None
     path = config_file or Path(env.get("GPUSNAP_CONFIG", str(DEFAULT_CONFIG_FILE)))
     values: dict[str, object] = {"config_file": path}
     if path.is_file():
+        # It names the runc, CRIU and hook binaries the runtime runs as root, and CRIU options.
+        check_admin_file(path, "gpusnap config file")
         import tomllib  # only when a file exists: keeps the shim's cold start small
 
         try:
@@ -119,3 +129,23 @@ def load_settings(env: Mapping[str, str] | None = None, config_file: Path | None
     if "store_dir" not in values and "state_dir" in values:
         values["store_dir"] = Path(str(values["state_dir"])) / "store"
     return replace(Settings(), **values)  # type: ignore[arg-type]
+
+
+def check_admin_file(path: Path, what: str) -> None:
+    """Refuse to trust ``path`` unless only root (or the user running gpusnap) could have
+    written it: a regular file owned by root, not group- or world-writable, in a directory
+    no one else may write to (sticky directories such as /tmp excepted)."""
+    trusted = {0, os.geteuid()}
+    try:
+        st = path.stat()
+        parent = path.resolve().parent.stat()
+    except OSError as exc:
+        raise UsageError(f"{what} {path} cannot be read ({exc.strerror}); fix the path or remove the setting") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{what} {path} is not a regular file; point it at a file")
+    if st.st_uid not in trusted:
+        raise UsageError(f"{what} {path} is owned by uid {st.st_uid}, not root; only a root-owned file is trusted (chown root {path})")
+    if st.st_mode & 0o022:
+        raise UsageError(f"{what} {path} is writable by other users (mode {oct(st.st_mode & 0o777)}); run chmod go-w {path}")
+    if parent.st_uid not in trusted or (parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX):
+        raise UsageError(f"{what} {path} is in a directory other users can write to; move it to a root-owned directory such as /etc/gpusnap")

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpusnap.config import Settings
-from gpusnap.criu.config import EXTRA_OPTIONS_ANNOTATION
+from gpusnap.criu.config import AMD_RELAXED_ANNOTATION, CRIU_ENV_ANNOTATION, CRIU_PLUGIN_DIRS, EXTRA_OPTIONS_ANNOTATION, check_criu_env
+from gpusnap.criu.config import find_criu_plugin_dir as _find_plugin_dir
 from gpusnap.errors import IncompatibleHostError, MissingDependencyError, UsageError
 from gpusnap.gpu.discovery import DeviceNode, DriverFile, Inventory, discover
 from gpusnap.gpu.selection import ASSIGNED_ANNOTATION, VENDOR_ANNOTATION, Selection, already_injected, cdi_device_paths, select
@@ -39,9 +40,11 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 ANN_ASSIGNED = ASSIGNED_ANNOTATION  # comma list of UUIDs actually given
 ANN_VENDOR = VENDOR_ANNOTATION
-ANN_CRIU_LIBDIR = "gpusnap.io/criu-libdir"  # CRIU plugin directory (--libdir) for checkpoint/restore
-ANN_CRIU_ENV = "gpusnap.io/criu-env"  # JSON object: environment for CRIU (the amdgpu plugin's KFD_*)
-ANN_AMD_RELAXED = "gpusnap.io/amd-relaxed-checks"  # "true": allow restore on a different AMD GPU
+# The host's CRIU plugin directory, for information only: the shim's CRIU config takes it from
+# the host again at every create and restore (gpusnap.criu.config.host_options), never from here.
+ANN_CRIU_LIBDIR = "gpusnap.io/criu-libdir"
+ANN_CRIU_ENV = CRIU_ENV_ANNOTATION  # JSON object: environment for CRIU (the amdgpu plugin's KFD_*)
+ANN_AMD_RELAXED = AMD_RELAXED_ANNOTATION  # "true": allow restore on a different AMD GPU
 
 HOOK_STAGES = ("createRuntime", "createContainer", "poststop")
 HOOK_TIMEOUT_S = 30
@@ -55,7 +58,6 @@ KFD_CHECK_VARS = (
     "KFD_NUMA_CHECK",
     "KFD_CAPABILITY_CHECK",
 )
-CRIU_PLUGIN_DIRS = ("usr/lib/criu", "usr/local/lib/criu", "usr/lib64/criu")
 
 if TYPE_CHECKING:
     from gpusnap.ocispec.modifiers import ModifyContext
@@ -139,11 +141,7 @@ def hook_environment(settings: Settings, env: Mapping[str, str]) -> list[str]:
 
 
 def find_criu_plugin_dir(settings: Settings, plugin: str = "amdgpu_plugin.so") -> str | None:
-    for rel in CRIU_PLUGIN_DIRS:
-        d = settings.host.root / rel
-        if (d / plugin).is_file():
-            return str(d)
-    return None
+    return _find_plugin_dir(settings.host.root, plugin)
 
 
 def amd_criu_env(spec: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
@@ -295,12 +293,9 @@ def add_criu_config(spec: dict[str, Any], libdir: str | None, criu_env: dict[str
     checkpoint/restore (runc starts CRIU with the runtime's environment, not the container's)."""
     ann = spec.setdefault("annotations", {})
     if libdir:
+        # Not an option for CRIU: annotations are the container's to write, so the CRIU config
+        # file gets "libdir" from the host itself (gpusnap.criu.config.host_options).
         ann[ANN_CRIU_LIBDIR] = libdir
-        # The shim's CRIU config file (gpusnap.criu.config) takes extra long options from this
-        # annotation; "libdir DIR" is a valid line of CRIU's config syntax.
-        opts = [o.strip() for o in ann.get(EXTRA_OPTIONS_ANNOTATION, "").split(",") if o.strip()]
-        opts = [o for o in opts if not o.lstrip("-").startswith("libdir")] + [f"libdir {libdir}"]
-        ann[EXTRA_OPTIONS_ANNOTATION] = ",".join(opts)
     if criu_env:
         ann[ANN_CRIU_ENV] = json.dumps(dict(sorted(criu_env.items())), separators=(",", ":"))
 
@@ -316,7 +311,7 @@ def criu_settings_from_annotations(annotations: Mapping[str, str]) -> tuple[str 
             raise UsageError(f"annotation {ANN_CRIU_ENV} is not a JSON object; remove or fix it") from None
         if not isinstance(loaded, dict) or not all(isinstance(v, str) for v in loaded.values()):
             raise UsageError(f"annotation {ANN_CRIU_ENV} must map names to strings")
-        env = loaded
+        env = check_criu_env(loaded, ANN_CRIU_ENV)
     return annotations.get(ANN_CRIU_LIBDIR), env
 
 
@@ -355,6 +350,7 @@ def strip_own_injection(spec: dict[str, Any]) -> bool:
     for key in (ANN_ASSIGNED, ANN_VENDOR, ANN_CRIU_ENV):
         annotations.pop(key, None)
     if annotations.pop(ANN_CRIU_LIBDIR, None) is not None:
+        # Specs written before the libdir moved to the host side carry it in the options too.
         opts = [o for o in annotations.get(EXTRA_OPTIONS_ANNOTATION, "").split(",") if o.strip() and not o.strip().lstrip("-").startswith("libdir")]
         if opts:
             annotations[EXTRA_OPTIONS_ANNOTATION] = ",".join(opts)

@@ -17,7 +17,10 @@ from gpusnap.config import Settings
 from gpusnap.criu.config import (
     CRIU_CONFIG_ANNOTATION,
     MANAGED_ANNOTATION,
+    check_annotations,
+    check_user_criu_config,
     criu_config_path,
+    host_options,
     options_from_annotations,
     write_config,
 )
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 GPU_REQUEST_ANNOTATION = "gpusnap.io/gpus"
 GPU_REQUEST_ENV = ("GPUSNAP_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "AMD_VISIBLE_DEVICES")
 GPU_INJECTED_ANNOTATION = "gpusnap.io/assigned-gpus"
+GPU_VENDOR_ANNOTATION = "gpusnap.io/gpu-vendor"
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,13 @@ def apply_chain(spec: dict[str, Any], chain: Sequence[SpecModifier], ctx: Modify
 
 
 class CriuConfigModifier:
-    """Points ``org.criu.config`` at a per-container file holding link-remap (+ tcp-established)."""
+    """Points ``org.criu.config`` at a per-container file: the CRIU options this container may
+    request (allow-listed, typed) followed by the options of this host's own configuration.
+
+    It is also the gate for every ``gpusnap.io/`` annotation (gpusnap.criu.config.check_annotations):
+    a value the container may not set is refused here, at create or restore, before anything
+    is written.
+    """
 
     name = "criu-config"
 
@@ -78,13 +88,23 @@ class CriuConfigModifier:
 
     def apply(self, spec: dict[str, Any], ctx: ModifyContext) -> list[Step]:
         annotations = spec.setdefault("annotations", {})
+        if not has_gpu_request(spec):
+            # Written by GpuInjection for the GPUs it gave; without a request there were none,
+            # so these came from elsewhere: the GPU plan must not pair a restore with them.
+            for key in (GPU_INJECTED_ANNOTATION, GPU_VENDOR_ANNOTATION, "gpusnap.io/criu-libdir"):
+                annotations.pop(key, None)
+        check_annotations(annotations)
         current = annotations.get(CRIU_CONFIG_ANNOTATION)
         if current is not None and annotations.get(MANAGED_ANNOTATION) != "true":
-            return []  # the user named their own CRIU config: theirs wins
+            check_user_criu_config(current)  # only an admin's file: it can set any CRIU option
+            return []
         path = criu_config_path(self.settings.run_dir, ctx.container_id)
         annotations[CRIU_CONFIG_ANNOTATION] = str(path)
         annotations[MANAGED_ANNOTATION] = "true"
         options = options_from_annotations(annotations)
+        # The host's last: for an option given twice CRIU keeps the later line, so the admin wins.
+        options += [o for o in host_options(self.settings.criu_options, self.settings.host.root,
+                                            gpu_vendor=annotations.get(GPU_VENDOR_ANNOTATION, "")) if o not in options]
         previous = path.read_bytes() if path.is_file() else None
 
         def undo() -> None:
@@ -96,13 +116,17 @@ class CriuConfigModifier:
         return [Step(f"write CRIU config {path}", lambda: write_config(path, options), undo)]
 
 
-def asks_for_gpus(spec: dict[str, Any]) -> bool:
-    """Whether the GPU modifier has anything to do: a GPU request, or an earlier injection."""
-    annotations = spec.get("annotations") or {}
-    if GPU_REQUEST_ANNOTATION in annotations or GPU_INJECTED_ANNOTATION in annotations:
+def has_gpu_request(spec: dict[str, Any]) -> bool:
+    """Whether the container asks for GPUs (what gpusnap.gpu.selection.find_request reads)."""
+    if GPU_REQUEST_ANNOTATION in (spec.get("annotations") or {}):
         return True
     env = (spec.get("process") or {}).get("env") or []
     return any(str(item).partition("=")[0] in GPU_REQUEST_ENV for item in env)
+
+
+def asks_for_gpus(spec: dict[str, Any]) -> bool:
+    """Whether the GPU modifier has anything to do: a GPU request, or an earlier injection."""
+    return GPU_INJECTED_ANNOTATION in (spec.get("annotations") or {}) or has_gpu_request(spec)
 
 
 class LazyGpuInjection:

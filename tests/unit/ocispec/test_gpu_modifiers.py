@@ -13,6 +13,7 @@ from gpusnap.gpu.selection import GpuRequest, Selection
 from gpusnap.ocispec import gpu_modifiers as gm
 from gpusnap.ocispec.modifiers import ModifyContext, apply_chain, default_chain
 from gpusnap.ocispec.spec import validate_spec
+from gpusnap.steps import run_steps
 
 ENV = {"PATH": "/usr/bin"}
 
@@ -118,7 +119,9 @@ def test_amd_criu_config_libdir_and_kfd_env(tmp_path: Path) -> None:
     gm.add_criu_config(spec, "/usr/lib/criu", env)
     gm.add_criu_config(spec, "/usr/lib/criu", env)
     ann = spec["annotations"]
-    assert options_from_annotations(ann) == ["link-remap", "tcp-established", "libdir /usr/lib/criu"]
+    # The plugin dir is the host's (gpusnap.criu.config.host_options), never an option in an
+    # annotation the container could have written itself.
+    assert options_from_annotations(ann) == ["link-remap", "tcp-established"]
     libdir, criu_env = gm.criu_settings_from_annotations(ann)
     assert libdir == "/usr/lib/criu" and criu_env == env
 
@@ -197,7 +200,12 @@ def test_amd_injection(tmp_path: Path, hook: Path) -> None:
     assert [d["path"] for d in out["linux"]["devices"]] == ["/dev/kfd", "/dev/dri/card1", "/dev/dri/renderD129"]
     assert out["annotations"][gm.ANN_CRIU_LIBDIR] == str(plugdir)
     assert json.loads(out["annotations"][gm.ANN_CRIU_ENV]) == {"KFD_NUMA_CHECK": "0"}
-    assert f"libdir {plugdir}" in out["annotations"][EXTRA_OPTIONS_ANNOTATION]
+    assert EXTRA_OPTIONS_ANNOTATION not in out["annotations"]
+    # ...the shim's CRIU config file gets it from the host, through the chain
+    s2 = Settings(host=HostPaths(root), hook_path=str(hook), run_dir=tmp_path / "run")
+    result = apply_chain(base_spec(["AMD_VISIBLE_DEVICES=1"]), default_chain(s2), ModifyContext("gs-amd", tmp_path, "create", s2))
+    run_steps(result.steps)
+    assert f"libdir {plugdir}" in (tmp_path / "run" / "criu" / "gs-amd.conf").read_text().splitlines()
 
 
 def test_in_the_shims_default_chain(settings: Settings, tmp_path: Path) -> None:

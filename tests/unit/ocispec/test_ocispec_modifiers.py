@@ -4,7 +4,12 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from gpusnap.config import Settings
+import json
+
+import pytest
+
+from gpusnap.config import HostPaths, Settings
+from gpusnap.errors import UsageError
 from gpusnap.ocispec.modifiers import CriuConfigModifier, ModifyContext, apply_chain, default_chain
 from gpusnap.steps import Step, run_steps
 
@@ -43,11 +48,39 @@ def test_undo_removes_the_file(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "criu" / "c1.conf").exists()
 
 
-def test_users_own_criu_config_is_kept(tmp_path: Path) -> None:
+def test_users_own_criu_config_is_kept_when_the_admin_wrote_it(tmp_path: Path) -> None:
     settings = Settings(run_dir=tmp_path / "run")
-    spec = {"annotations": {"org.criu.config": "/etc/criu/mine.conf"}}
+    mine = tmp_path / "mine.conf"
+    mine.write_text("tcp-established\n")
+    mine.chmod(0o644)
+    spec = {"annotations": {"org.criu.config": str(mine)}}
     result = apply_chain(spec, default_chain(settings), _ctx(tmp_path, settings))
     assert result.spec == spec and result.steps == []
+    # A file others can write is a file anyone could fill with CRIU options for root.
+    mine.chmod(0o666)
+    with pytest.raises(UsageError, match="writable by other users"):
+        apply_chain(spec, default_chain(settings), _ctx(tmp_path, settings))
+    with pytest.raises(UsageError, match="cannot be read"):
+        apply_chain({"annotations": {"org.criu.config": "/etc/criu/none-such.conf"}}, default_chain(settings), _ctx(tmp_path, settings))
+
+
+def test_host_criu_options_are_written_after_the_containers(tmp_path: Path) -> None:
+    root = tmp_path / "host"
+    root.mkdir()
+    settings = Settings(run_dir=tmp_path / "run", host=HostPaths(root), criu_options=("ghost-limit 64M", "tcp-established"))
+    result = apply_chain({"annotations": {"gpusnap.io/criu-options": "ghost-limit 1M,file-locks"}}, default_chain(settings), _ctx(tmp_path, settings))
+    run_steps(result.steps)
+    lines = [ln for ln in (tmp_path / "run" / "criu" / "c1.conf").read_text().splitlines() if not ln.startswith("#")]
+    assert lines == ["link-remap", f"ghost-limit {1 << 20}", "file-locks", "ghost-limit 64M", "tcp-established"]
+    # nothing of the host's lands in the spec: a checkpoint of it carries none of them
+    assert "64M" not in json.dumps(result.spec)
+
+
+def test_forged_gpu_assignment_without_a_request_is_dropped(tmp_path: Path) -> None:
+    settings = Settings(run_dir=tmp_path / "run")
+    spec = {"annotations": {"gpusnap.io/assigned-gpus": "GPU-other-tenant", "gpusnap.io/gpu-vendor": "nvidia", "gpusnap.io/criu-libdir": "/tmp/evil"}}
+    out = apply_chain(spec, [CriuConfigModifier(settings)], _ctx(tmp_path, settings)).spec
+    assert not {"gpusnap.io/assigned-gpus", "gpusnap.io/gpu-vendor", "gpusnap.io/criu-libdir"} & set(out["annotations"])
 
 
 def test_chain_order_and_steps(tmp_path: Path) -> None:
