@@ -680,10 +680,22 @@ def _upper_archive(restore_from: Path | None) -> Path | None:
     return archive if archive.is_file() else None
 
 
+# What the checkpointing host derived for itself and the restoring host derives again (the
+# runtime's CRIU config file and its options, the GPU plugin's directory and environment, the
+# hooks of the GPU injection): a checkpoint, which may come from a registry, never decides them.
+_HOST_DERIVED_ANNOTATIONS = ("org.criu.config", "gpusnap.io/criu-config", "gpusnap.io/criu-libdir", "gpusnap.io/criu-env")
+
+
 def _retarget_spec(spec: dict[str, Any], name: str, rootfs: Path, netns_path: str | None) -> dict[str, Any]:
     spec = json.loads(json.dumps(spec))
     spec["root"]["path"] = str(rootfs)
-    spec.setdefault("annotations", {})["io.gpusnap.name"] = name
+    annotations = spec.setdefault("annotations", {})
+    for key in _HOST_DERIVED_ANNOTATIONS:
+        annotations.pop(key, None)
+    annotations["io.gpusnap.name"] = name
+    # runc-direct's own specs have no hooks but the GPU injection's, which the runtime adds
+    # again at restore; hooks run as root on the host, so none is taken from a checkpoint.
+    spec.pop("hooks", None)
     for ns in spec.get("linux", {}).get("namespaces", []):
         if ns.get("type") == "network":
             ns.pop("path", None)

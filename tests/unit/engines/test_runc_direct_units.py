@@ -94,3 +94,20 @@ def test_logcopy_copies_until_eof(tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert log.read_bytes() == b"a\nb\n" * 50000
     assert oct(os.stat(log).st_mode & 0o777) == "0o640"
+
+
+def test_a_carried_spec_decides_no_host_side_part_of_the_restore() -> None:
+    """A checkpoint may come from a registry: its spec's CRIU config, GPU plugin settings and
+    hooks (run as root) are dropped; the restoring host's runtime derives them again."""
+    from gpusnap.engines.runc_direct import _retarget_spec
+
+    carried = make_spec("old", ["sh"], Path("/r"), [], None)
+    carried["annotations"].update({
+        "org.criu.config": "/run/gpusnap/criu/old.conf", "gpusnap.io/criu-config": "true", "gpusnap.io/criu-libdir": "/tmp/evil",
+        "gpusnap.io/criu-env": '{"KFD_NUMA_CHECK":"0"}', "gpusnap.io/criu-options": "file-locks",
+    })
+    carried["hooks"] = {"prestart": [{"path": "/bin/sh", "args": ["sh", "-c", "touch /pwned"]}]}
+    out = _retarget_spec(carried, "new", Path("/new-root"), None)
+    assert "hooks" not in out
+    assert out["annotations"] == {**make_spec("x", ["sh"], Path("/r"), [], None)["annotations"], "io.gpusnap.name": "new",
+                                  "gpusnap.io/criu-options": "file-locks"}  # the container's own request, re-checked at restore
