@@ -23,6 +23,7 @@ Only the standard library is imported: runc waits on every hook of every GPU con
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -133,6 +134,33 @@ def _rootfs(bundle: Path) -> Path:
     return root if root.is_absolute() else bundle / root
 
 
+def _write_ld_conf(rootfs: Path) -> bool:
+    """Write etc/ld.so.conf.d/000-gpusnap-driver.conf inside the image without following its
+    symlinks: this hook runs as root before pivot_root, where an absolute link in the image
+    (etc -> /etc, or the file itself -> /etc/shadow) would name a file of the host. An image
+    whose etc or ld.so.conf.d is a link gets no entry (LD_LIBRARY_PATH still finds the driver)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    fds: list[int] = []
+    try:
+        fds.append(os.open(rootfs / "etc", flags))
+        try:
+            os.mkdir("ld.so.conf.d", 0o755, dir_fd=fds[0])
+        except FileExistsError:
+            pass
+        fds.append(os.open("ld.so.conf.d", flags, dir_fd=fds[0]))
+        fd = os.open(LD_CONF_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=fds[1])
+        with os.fdopen(fd, "w") as f:
+            f.write(STABLE_LIB_DIR + "\n")
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return False
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return True
+
+
 def refresh_ld_cache(rootfs: Path, ldconfig: str | None = None) -> bool:
     """Teach the container's linker cache the stable driver dir; False when the image has no
     glibc linker configuration (static or musl images need LD_LIBRARY_PATH only)."""
@@ -140,11 +168,8 @@ def refresh_ld_cache(rootfs: Path, ldconfig: str | None = None) -> bool:
         return False
     if not (rootfs / STABLE_LIB_DIR.lstrip("/")).is_dir():
         return False
-    conf_dir = rootfs / "etc/ld.so.conf.d"
-    conf_dir.mkdir(exist_ok=True)
-    conf = conf_dir / LD_CONF_NAME
-    if not conf.is_file() or conf.read_text() != STABLE_LIB_DIR + "\n":
-        conf.write_text(STABLE_LIB_DIR + "\n")
+    if not _write_ld_conf(rootfs):
+        return False
     import shutil
     import subprocess
 
@@ -168,7 +193,7 @@ def run_stage(stage: str, state: State, settings: Settings) -> str:
     if stage == "createContainer":
         if restoring:
             return "restore: linker cache kept from the checkpointed rootfs"
-        return "ld cache refreshed" if refresh_ld_cache(_rootfs(state.bundle)) else "ld cache: image has no glibc linker config"
+        return "ld cache refreshed" if refresh_ld_cache(_rootfs(state.bundle)) else "ld cache: image has no glibc linker config of its own (none, or links out of the image)"
     if stage in ("startContainer", "poststart"):
         path = record_path(settings, state.id)
         if not path.is_file():

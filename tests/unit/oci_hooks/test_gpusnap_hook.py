@@ -135,3 +135,23 @@ def test_hook_imports_stay_light() -> None:
     code = "import sys, gpusnap.oci_hooks.main; bad = [m for m in ('jsonschema', 'typer', 'rich', 'docker') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+@pytest.mark.parametrize("link", ["etc/ld.so.conf.d", "conf-file"])
+def test_create_container_never_writes_through_the_images_symlinks(tmp_path: Path, settings: Settings, link: str) -> None:
+    """The hook runs as root before pivot_root: an image whose ld.so.conf.d (or the entry file
+    itself) is an absolute link must not make it write a file of the host."""
+    bundle = _bundle_with_glibc_rootfs(tmp_path)
+    rootfs = bundle / "rootfs"
+    host_dir = tmp_path / "host-etc"
+    host_dir.mkdir()
+    victim = host_dir / hook.LD_CONF_NAME
+    victim.write_text("host's own\n")
+    if link == "etc/ld.so.conf.d":
+        (rootfs / "etc/ld.so.conf.d").symlink_to(host_dir)
+    else:
+        (rootfs / "etc/ld.so.conf.d").mkdir()
+        (rootfs / "etc/ld.so.conf.d" / hook.LD_CONF_NAME).symlink_to(victim)
+    msg = hook.run_stage("createContainer", hook.parse_state(json.dumps(state(bundle))), settings)
+    assert "links out of the image" in msg
+    assert victim.read_text() == "host's own\n" and sorted(p.name for p in host_dir.iterdir()) == [hook.LD_CONF_NAME]
