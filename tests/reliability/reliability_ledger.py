@@ -25,11 +25,11 @@ _CLEARED = pytest.StashKey[bool]()
 
 @dataclass
 class Entry:
-    category: str  # fault | bad-input | load | permissions | crypto
+    category: str  # fault | bad-input | load | permissions | crypto | privilege
     name: str
     tried: int = 1
-    refused: int = 0  # bad inputs refused with a clear error
-    passed: int = 0  # faults whose four checks held; load runs that held
+    refused: int = 0  # bad inputs refused with a clear error; privilege requests refused
+    passed: int = 0  # faults whose four checks held; load runs that held; privilege cases that changed nothing
     lost: int = 0  # blobs/checkpoints missing or corrupt after the event
     detail: str = ""
 

@@ -20,6 +20,7 @@ _ROWS = [
     ("fault", "Faults injected"),
     ("bad-input", "Bad inputs tried"),
     ("crypto", "Encryption attacks tried"),
+    ("privilege", "Privilege boundary"),
     ("load", "Load held"),
     ("permissions", "Private permissions checked"),
 ]
@@ -41,7 +42,17 @@ def render(entries: list[Entry]) -> str:
             lines.append(f"| {title} | not run | |")
             continue
         tried = sum(e.tried for g in groups.values() for e in g)
-        if category in ("bad-input", "crypto"):
+        if category == "privilege":
+            # tried: what a container (or a checkpoint) asked root CRIU for; refused: the runtime
+            # said no (or the restore ran without it); passed: nothing changed on the host.
+            refused = sum(e.refused for g in groups.values() for e in g)
+            held = sum(e.passed for g in groups.values() for e in g)
+            figure = f"{tried} tried, {refused} refused, {held} left nothing changed"
+            families = defaultdict(int)
+            for name, g in groups.items():
+                families[name.split(":", 1)[0]] += sum(e.tried for e in g)
+            detail = ", ".join(f"{fam} {n}" for fam, n in sorted(families.items()))
+        elif category in ("bad-input", "crypto"):
             refused = sum(e.refused for g in groups.values() for e in g)
             figure = f"{tried} tried, {refused} refused"
             families: dict[str, int] = defaultdict(int)
@@ -69,7 +80,7 @@ def render_details(entries: list[Entry]) -> str:
     for e in entries:
         groups[(e.category, e.name)].append(e)
     for (cat, name), g in sorted(groups.items()):
-        ok = sum(e.refused if cat in ("bad-input", "crypto") else e.passed for e in g)
+        ok = sum(e.refused if cat in ("bad-input", "crypto", "privilege") else e.passed for e in g)
         details = "; ".join(sorted({e.detail for e in g if e.detail}))
         rows.append(f"| {cat} | {name} | {sum(e.tried for e in g)} | {ok} | {sum(e.lost for e in g)} | {details} |")
     return "\n".join(rows)
