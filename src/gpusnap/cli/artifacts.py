@@ -78,6 +78,7 @@ def _push(
     as_json: bool = JsonOpt,
     encrypt_key: Path | None = typer.Option(None, "--encrypt-key", metavar="KEYFILE", help="push an encrypted copy (256-bit key file, mode 0600)"),
     recipient: list[Path] | None = typer.Option(None, "--recipient", metavar="PUBKEY.pem", help="public key (X25519/RSA) that may decrypt it; repeatable"),
+    encrypt_mode: str | None = typer.Option(None, "--encrypt-mode", metavar="keyed|random", help="blob keys from --encrypt-key (keyed: dedup within that key; the default with a key) or random (no dedup; the default for recipients only)"),
     podman_image: bool = typer.Option(False, "--podman-image", help="push podman's own checkpoint image, which `podman container restore REMOTE` restores without gpusnap (podman checkpoints only)"),
 ) -> None:
     """Upload a stored checkpoint to a registry (only blobs the registry lacks are sent)."""
@@ -91,7 +92,7 @@ def _push(
             raise UsageError(PODMAN_IMAGE_ENCRYPTED)
         r = push_podman_image(api, _store(store), ref, remote, insecure=insecure, subject=subject)
     else:
-        sealed = encryption_from_options(encrypt_key, recipient or [], load_settings().state_dir / "convergence.key")
+        sealed = encryption_from_options(encrypt_key, recipient or [], encrypt_mode)
         r = api.push(_store(store), ref, remote, insecure=insecure, subject=subject, **({"encryption": sealed} if sealed else {}))
     if as_json:
         _print_json(asdict(r))

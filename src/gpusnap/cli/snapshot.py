@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
         encrypt_key: Annotated[Optional[Path], typer.Option("--encrypt-key", metavar="KEYFILE", help="Encrypt every layer with this 256-bit key file (mode 0600).")] = None,
         recipient: Annotated[Optional[list[Path]], typer.Option("--recipient", metavar="PUBKEY.pem", help="Also let this public key (PEM, X25519 or RSA) decrypt it; repeatable.")] = None,
+        encrypt_mode: Annotated[Optional[str], typer.Option("--encrypt-mode", metavar="keyed|random", help="Blob keys from --encrypt-key (keyed: dedup within that key; the default with a key) or random (no dedup; the default for recipients only).")] = None,
         podman_image: Annotated[bool, typer.Option("--podman-image", help="With --push: push podman's own checkpoint image, which `podman container restore REF` restores without gpusnap (podman containers only).")] = False,
     ) -> None:
         """Checkpoint a container through its engine, store it locally, push it if asked."""
@@ -39,7 +40,7 @@ def register(app: typer.Typer) -> None:
         c = get_ctx(ctx)
         opts = CheckpointOptions(leave_running=leave_running, tcp_established=tcp_established, compress=compress)
         # Keys are read before anything is dumped: a bad key file must not cost a checkpoint.
-        encryption = encryption_from_options(encrypt_key, recipient or [], c.settings.state_dir / "convergence.key")
+        encryption = encryption_from_options(encrypt_key, recipient or [], encrypt_mode)
         sealed = {"encryption": encryption} if encryption is not None else {}
         with c.out.progress(f"checkpointing {container}") as progress:
             outcome = flows.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress,

@@ -1,4 +1,4 @@
-"""Encrypted checkpoint layers: streaming authenticated encryption with convergent keys.
+"""Encrypted checkpoint layers: streaming authenticated encryption, keyed per tenant (or random).
 
 Conventions follow OCI image encryption (ocicrypt) where they fit: an encrypted layer keeps its
 media type with ``+encrypted`` appended, its wrapped keys live in descriptor annotations named
@@ -17,17 +17,22 @@ Every segment is bound to the header (so the length and the wrapped key cannot b
 its position (reordering fails) and to whether it is the last one (truncation fails). Memory is
 one segment whatever the layer size.
 
-Keys. ``blob_key = HKDF-SHA256(master, info="gpusnap blob key v1" | plaintext digest)``: the
-same plaintext under the same master key always yields the same ciphertext, so chunk dedup in
-the store and in registries keeps working between checkpoints encrypted with the same key
-(convergent encryption). The trade-off: whoever holds the master key, or sees two ciphertext
-digests, learns whether two layers have equal content; without the master key nothing about the
-content can be confirmed, because the key also depends on the secret. Nonces are the segment
-index: a blob key is only ever used for one plaintext, so a (key, nonce) pair never seals two
-different segments.
+Keys: two modes. ``keyed`` (the default when a tenant key, ``--encrypt-key``, is given):
+``blob_key = HKDF-SHA256(tenant key, info="gpusnap blob key v1" | plaintext digest)``, so the same
+plaintext under the same tenant key always yields the same ciphertext and chunk dedup in the store
+and in registries keeps working between that key holder's checkpoints. It is convergent only
+within one key: whoever holds the key (or sees two ciphertext digests under it) learns whether
+two layers are equal, but without the key nothing about the content can be confirmed, and two
+tenants' equal chunks never meet. ``random``: a fresh random key per blob (the default for
+recipients-only encryption, where there is no tenant secret to key dedup by); no dedup, and the
+ciphertext says nothing about the content to anyone. Earlier versions keyed recipients-only
+pushes by one per-host "convergence" key shared by every tenant of the host, so two tenants'
+equal chunks had equal ciphertexts; those artifacts still decrypt (decryption never re-derives
+a blob key, it unwraps it). Nonces are the segment index: a blob key is only ever used for one
+plaintext, so a (key, nonce) pair never seals two different segments.
 
 The header carries ``blob_key`` wrapped with RFC 3394 AES key wrap under a key derived from the
-master. Key wrap is deterministic (dedup again) and checks its own integrity, so a wrong master
+master (the tenant key, or a throwaway key for recipients-only pushes). Key wrap is deterministic (dedup again) and checks its own integrity, so a wrong master
 key is detected before a single byte is written. Recipients (X25519 or RSA-OAEP public keys) get
 the blob key wrapped for them in the descriptor's annotations; that wrapping is randomised, which
 costs nothing for dedup because annotations live in the manifest, not in the blob.
@@ -120,13 +125,32 @@ def public_key_id(pub: PublicKey) -> str:
     return key_id(raw)
 
 
+MODE_KEYED = "keyed"  # blob key from the tenant's secret and the content: dedup within that secret
+MODE_RANDOM = "random"  # a fresh key per blob: no dedup, nothing learnable from ciphertexts
+ENCRYPTION_MODES = (MODE_KEYED, MODE_RANDOM)
+
+
 @dataclass(frozen=True)
 class EncryptionConfig:
-    """What to encrypt with: a master key (always; makes dedup work) and optional recipients."""
+    """What to encrypt with: a master key (the tenant's, or a throwaway one), optional
+    recipients, and how blob keys are made (``mode``)."""
 
     master: MasterKey
     recipients: tuple[PublicKey, ...] = ()
     segment_size: int = DEFAULT_SEGMENT_SIZE
+    mode: str = MODE_KEYED
+    master_opens: bool = True  # False: ``master`` is thrown away after the push; only recipients open it
+
+    def __post_init__(self) -> None:
+        if self.mode not in ENCRYPTION_MODES:
+            raise UsageError(f"encryption mode {self.mode!r} is unknown; use {' or '.join(ENCRYPTION_MODES)}")
+        if not self.master_opens and not self.recipients:
+            raise UsageError("nobody could decrypt this: give --encrypt-key or at least one --recipient")
+
+    def blob_key(self, plaintext_digest: str) -> bytes:
+        if self.mode == MODE_RANDOM:
+            return os.urandom(KEY_SIZE)
+        return self.master.blob_key(plaintext_digest)
 
 
 @dataclass(frozen=True)
@@ -235,17 +259,6 @@ def load_decryption_keys(paths: Iterable[Path]) -> DecryptionKeys:
             raise UsageError(f"decryption key {path} is neither a 256-bit key file nor a PEM private key")
         masters.append(key)
     return DecryptionKeys(tuple(masters), tuple(privates))
-
-
-def load_or_create_convergence_key(path: Path) -> MasterKey:
-    """A per-host master for recipient-only encryption, so dedup works there too.
-
-    Created once with mode 0600; the recipients never need it (they get the blob keys wrapped).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with suppress(FileExistsError):
-        return generate_master_key_file(path)
-    return load_master_key(path)
 
 
 # --------------------------------------------------------------------------- recipient wrapping
@@ -358,7 +371,7 @@ def encrypt_stream(
     seg = config.segment_size
     if not 0 < seg <= MAX_SEGMENT_SIZE:
         raise UsageError(f"segment size must be 1..{MAX_SEGMENT_SIZE} bytes, got {seg}")
-    blob_key = config.master.blob_key(plaintext_digest)
+    blob_key = config.blob_key(plaintext_digest)
     header = _HEADER.pack(MAGIC, VERSION, seg, plaintext_size, aes_key_wrap(config.master.kek(), blob_key))
     hh = hashlib.sha256(header).digest()
     aead = AESGCM(blob_key)
@@ -484,9 +497,10 @@ def decrypt_stream(src: BinaryIO, dst: BinaryIO, *, annotations: dict[str, str],
 
 def encryption_annotations(config: EncryptionConfig, blob_key: bytes) -> dict[str, str]:
     ann = {
-        ANNOTATION_KEYS_PREFIX + SCHEME_MASTER: config.master.id,
-        ANNOTATION_PUBOPTS: _b64(json.dumps({"cipher": CIPHER_NAME, "segment_size": config.segment_size}, sort_keys=True).encode()),
+        ANNOTATION_PUBOPTS: _b64(json.dumps({"cipher": CIPHER_NAME, "segment_size": config.segment_size, "keys": config.mode}, sort_keys=True).encode()),
     }
+    if config.master_opens:
+        ann[ANNOTATION_KEYS_PREFIX + SCHEME_MASTER] = config.master.id
     x = [_wrap_for(p, blob_key) for p in config.recipients if isinstance(p, x25519.X25519PublicKey)]
     r = [_wrap_for(p, blob_key) for p in config.recipients if isinstance(p, rsa.RSAPublicKey)]
     if x:
@@ -569,10 +583,24 @@ class _atomic_output:
 def encryption_from_options(
     encrypt_key: Path | None,
     recipients: Sequence[Path],
-    convergence_key_path: Path,
+    mode: str | None = None,
 ) -> EncryptionConfig | None:
-    """Turn CLI options into an :class:`EncryptionConfig` (None when nothing asks for encryption)."""
+    """Turn CLI options into an :class:`EncryptionConfig` (None when nothing asks for encryption).
+
+    ``--encrypt-key`` is the tenant's secret: by default it keys the blob keys (``keyed``: dedup
+    between that key's checkpoints, never with anyone else's). Recipients alone have no secret
+    to key by, so their pushes get random blob keys under a throwaway master (``random``).
+    """
     if encrypt_key is None and not recipients:
+        if mode is not None:
+            raise UsageError("--encrypt-mode needs --encrypt-key or --recipient; add one or drop --encrypt-mode")
         return None
-    master = load_master_key(encrypt_key) if encrypt_key is not None else load_or_create_convergence_key(convergence_key_path)
-    return EncryptionConfig(master=master, recipients=tuple(load_recipient(p) for p in recipients))
+    chosen = mode or (MODE_KEYED if encrypt_key is not None else MODE_RANDOM)
+    if chosen not in ENCRYPTION_MODES:
+        raise UsageError(f"--encrypt-mode {chosen!r} is unknown; use {' or '.join(ENCRYPTION_MODES)}")
+    if chosen == MODE_KEYED and encrypt_key is None:
+        raise UsageError("--encrypt-mode keyed needs --encrypt-key KEYFILE, the tenant's own secret that keys dedup; add it, or use --encrypt-mode random")
+    pubs = tuple(load_recipient(p) for p in recipients)
+    if encrypt_key is None:
+        return EncryptionConfig(master=MasterKey(os.urandom(KEY_SIZE)), recipients=pubs, mode=chosen, master_opens=False)
+    return EncryptionConfig(master=load_master_key(encrypt_key), recipients=pubs, mode=chosen)

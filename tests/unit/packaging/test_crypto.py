@@ -155,13 +155,70 @@ def test_key_files(tmp_path: Path) -> None:
         crypto.load_recipient(weak_pub)
 
 
-def test_options_without_key_use_a_private_host_convergence_key(tmp_path: Path) -> None:
+def _pub_file(tmp_path: Path, name: str = "pub.pem") -> tuple[Path, x25519.X25519PrivateKey]:
     priv = x25519.X25519PrivateKey.generate()
-    pub = tmp_path / "pub.pem"
+    pub = tmp_path / name
     pub.write_bytes(priv.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    conv = tmp_path / "state" / "convergence.key"
-    a = crypto.encryption_from_options(None, [pub], conv)
-    b = crypto.encryption_from_options(None, [pub], conv)
-    assert a is not None and b is not None and a.master == b.master
-    assert conv.stat().st_mode & 0o777 == 0o600
-    assert crypto.encryption_from_options(None, [], conv) is None
+    return pub, priv
+
+
+def test_recipients_only_get_random_keys_under_a_throwaway_master(tmp_path: Path) -> None:
+    """No host-wide convergence key: with no tenant secret, nothing keys dedup, so nobody can
+    confirm a guessed chunk by encrypting it through the same host."""
+    pub, priv = _pub_file(tmp_path)
+    a = crypto.encryption_from_options(None, [pub])
+    b = crypto.encryption_from_options(None, [pub])
+    assert a is not None and b is not None and a.mode == b.mode == crypto.MODE_RANDOM and a.master != b.master
+    data = os.urandom(10_000)
+    blob_a, ann_a = _encrypt(data, a)
+    blob_b, _ = _encrypt(data, b)
+    assert blob_a != blob_b
+    assert crypto.ANNOTATION_KEYS_PREFIX + crypto.SCHEME_MASTER not in ann_a  # the throwaway master opens nothing
+    assert _decrypt(blob_a, ann_a, crypto.DecryptionKeys(private_keys=(priv,))) == data
+    assert not list(tmp_path.glob("**/*.key"))  # nothing written for it
+    assert crypto.encryption_from_options(None, []) is None
+
+
+def test_keyed_mode_dedups_within_one_tenant_key_only(tmp_path: Path) -> None:
+    tenant_a, tenant_b = tmp_path / "a.key", tmp_path / "b.key"
+    crypto.generate_master_key_file(tenant_a)
+    crypto.generate_master_key_file(tenant_b)
+    data = os.urandom(10_000)
+    a1 = crypto.encryption_from_options(tenant_a, [])
+    assert a1 is not None and a1.mode == crypto.MODE_KEYED
+    same = _encrypt(data, a1)[0] == _encrypt(data, crypto.encryption_from_options(tenant_a, []))[0]  # type: ignore[arg-type]
+    across = _encrypt(data, a1)[0] == _encrypt(data, crypto.encryption_from_options(tenant_b, []))[0]  # type: ignore[arg-type]
+    assert same and not across
+    # random with a tenant key: no dedup even for the key holder, and the key still opens it
+    r = crypto.encryption_from_options(tenant_a, [], "random")
+    assert r is not None and r.mode == crypto.MODE_RANDOM
+    blob, ann = _encrypt(data, r)
+    assert blob != _encrypt(data, r)[0]
+    assert _decrypt(blob, ann, crypto.DecryptionKeys(masters=(a1.master,))) == data
+
+
+def test_mode_options_refused_with_one_line(tmp_path: Path) -> None:
+    pub, _ = _pub_file(tmp_path)
+    with pytest.raises(UsageError, match="keyed needs --encrypt-key"):
+        crypto.encryption_from_options(None, [pub], "keyed")
+    with pytest.raises(UsageError, match="unknown"):
+        crypto.encryption_from_options(None, [pub], "convergent")
+    with pytest.raises(UsageError, match="needs --encrypt-key or --recipient"):
+        crypto.encryption_from_options(None, [], "random")
+
+
+def test_blobs_of_the_v1_code_still_decrypt() -> None:
+    """Blobs written by the encryption code before keyed/random modes (data/v1-encrypted-blobs.json,
+    made by that code): one under a master key, one for an X25519 recipient under the old
+    per-host convergence key."""
+    import base64
+    import json
+
+    doc = json.loads((Path(__file__).parent / "data" / "v1-encrypted-blobs.json").read_text())
+    plain = base64.b64decode(doc["plaintext_b64"])
+    master = crypto.MasterKey(bytes.fromhex(doc["master_key_hex"]))
+    priv = serialization.load_pem_private_key(doc["x25519_private_pem"].encode(), password=None)
+    for name, keys in (("master", crypto.DecryptionKeys(masters=(master,))), ("recipient", crypto.DecryptionKeys(private_keys=(priv,)))):  # type: ignore[arg-type]
+        blob = base64.b64decode(doc[name]["blob_b64"])
+        assert _digest(blob) == doc[name]["digest"]
+        assert _decrypt(blob, doc[name]["annotations"], keys) == plain
