@@ -88,7 +88,9 @@ def mps_reason(host: HostPaths, pid: int) -> str | None:
     if not mps_daemon_running(host.proc):
         return None
     pipe_dir = environ(host.proc, pid).get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    control = host.proc / str(pid) / "root" / pipe_dir.lstrip("/") / "control"
+    # The value is the container's: normalised so ".." cannot walk above its root (through
+    # /proc/PID/root a ".." would reach the host's directories).
+    control = host.proc / str(pid) / "root" / os.path.normpath("/" + pipe_dir).lstrip("/") / "control"
     if os.path.exists(control):
         return (
             f"host PID {pid} runs its GPU work through MPS (daemon on this host, pipe {pipe_dir}), "
