@@ -1,7 +1,8 @@
 """Encrypted checkpoints end to end, as a user runs them: `gpusnap checkpoint --encrypt-key
 --push` of a real container (runc-direct engine, real CRIU, real registry), then restore from
 the registry on a clean store with a wrong key (refused before anything is downloaded), with no
-key, and with the right one (the counter continues)."""
+key, and with the right one (the counter continues). And dedup kept within one key holder: the
+same checkpoint pushed under two tenant keys and for recipients only shares no ciphertext."""
 
 from __future__ import annotations
 
@@ -93,3 +94,65 @@ def test_encrypted_checkpoint_push_and_restore(tmp_path: Path, registry: Registr
         _gs(env, "delete", name)
     ledger.record("crypto", "end to end: wrong key / no key refused, right key restores", tried=2, refused=2)
     ledger.record("fault", "restore with a wrong decryption key", passed=int(held), detail="refused before download")
+
+
+def _layers(registry: Registry, repo: str, tag: str) -> set[str]:
+    m = requests.get(f"http://{registry.host}/v2/{repo}/manifests/{tag}", headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10).json()
+    assert m["layers"] and all(d["mediaType"].endswith("+encrypted") for d in m["layers"])
+    return {d["digest"] for d in [m["config"], *m["layers"]]}
+
+
+def test_dedup_stays_within_one_key_holder(tmp_path: Path, registry: Registry, ledger) -> None:  # type: ignore[no-untyped-def]
+    """One stored checkpoint pushed five ways. Under one tenant key (keyed, the default) the
+    ciphertexts are equal, so dedup works; under another tenant's key, or for recipients only
+    (random keys under a throwaway master), no ciphertext equals another: nobody confirms a
+    chunk by having the host encrypt it again. The recipients-only copy restores with the
+    recipient's private key; asking for keyed dedup without a tenant key is refused first."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import x25519
+
+    root = tmp_path / "gs"
+    env = {**os.environ, "GPUSNAP_RUN_DIR": str(root / "run"), "GPUSNAP_STATE_DIR": str(root / "state"),
+           "GPUSNAP_STORE": str(root / "store"), "GPUSNAP_CONFIG": str(root / "none.toml"), "COLUMNS": "100"}
+    keys = {}
+    for tenant in ("a", "b"):
+        keys[tenant] = tmp_path / f"{tenant}.key"
+        keys[tenant].write_text(os.urandom(32).hex())
+        keys[tenant].chmod(0o600)
+    priv = x25519.X25519PrivateKey.generate()
+    pub, priv_pem = tmp_path / "r.pub.pem", tmp_path / "r.pem"
+    pub.write_bytes(priv.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    priv_pem.write_bytes(priv.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    priv_pem.chmod(0o600)
+    name = f"gs-rel-ded-{uuid.uuid4().hex[:6]}"
+    repo = "gs-rel/dedup"
+    try:
+        assert _gs(env, "run", name, "--", "sh", "-c", COUNTER).returncode == 0
+        _wait_numbers(env, name, 3)
+        r = _gs(env, "checkpoint", name, "--json")
+        assert r.returncode == 0, r.stderr
+        ref = json.loads(r.stdout)["ref"]
+        last = _numbers(env, name)[-1]
+        pushes = {"a1": ["--encrypt-key", str(keys["a"])], "a2": ["--encrypt-key", str(keys["a"])], "b": ["--encrypt-key", str(keys["b"])],
+                  "r1": ["--recipient", str(pub)], "r2": ["--recipient", str(pub)]}
+        for tag, opts in pushes.items():
+            r = _gs(env, "push", ref, f"{registry.host}/{repo}:{tag}", "--insecure", *opts)
+            assert r.returncode == 0, r.stderr
+        got = {tag: _layers(registry, repo, tag) for tag in pushes}
+        assert got["a1"] == got["a2"]  # one key holder: dedup
+        for x, y in (("a1", "b"), ("a1", "r1"), ("r1", "r2"), ("b", "r2")):
+            assert not got[x] & got[y], (x, y)
+        r = _gs(env, "push", ref, f"{registry.host}/{repo}:refused", "--insecure", "--recipient", str(pub), "--encrypt-mode", "keyed")
+        assert r.returncode == ExitCode.USAGE and r.stderr.strip().count("\n") == 0 and "--encrypt-key" in r.stderr, r.stderr
+        assert requests.get(f"http://{registry.host}/v2/{repo}/manifests/refused", timeout=10).status_code == 404
+
+        _gs(env, "delete", name)
+        shutil.rmtree(root / "store")
+        r = _gs(env, "restore", f"{registry.host}/{repo}:r1", "--name", name, "--insecure", "--decrypt-key", str(priv_pem))
+        assert r.returncode == 0, r.stderr
+        assert last + 1 in _wait_numbers(env, name, 3)
+        held = True
+    finally:
+        _gs(env, "delete", name)
+    ledger.record("crypto", "cross-tenant equality: ciphertexts of other keys / recipients-only pushes compared", tried=4, refused=4)
+    ledger.record("fault", "restore of a recipients-only (random keys) checkpoint", passed=int(held))
