@@ -63,6 +63,9 @@ class Settings:
     # CRIU options the admin adds for every container (``criu_options`` in the config file):
     # the only way options outside gpusnap.criu.config.CONTAINER_OPTIONS reach CRIU.
     criu_options: tuple[str, ...] = ()
+    # Whether NVIDIA_VISIBLE_DEVICES & co. in a container's environment may request GPUs: false
+    # on nodes shared by tenants, where a pod's author sets its environment (docs/security.md).
+    gpu_request_env: bool = True
 
 
 _ENV = {
@@ -84,6 +87,13 @@ _FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"ro
 
 
 def _coerce(name: str, value: object, source: str) -> object:
+    if name == "gpu_request_env":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text not in ("true", "false", "1", "0"):
+            raise UsageError(f"{source}: gpu_request_env must be true or false, got {value!r}")
+        return text in ("true", "1")
     if name == "criu_options":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise UsageError(f"{source}: criu_options must be a list of strings, one CRIU option each (\"ghost-limit 10M\")")

@@ -66,11 +66,18 @@ def _env(spec: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def find_request(spec: dict[str, Any]) -> GpuRequest | None:
-    """The first GPU request in precedence order, or None when the container asks for none."""
+def find_request(spec: dict[str, Any], *, from_env: bool = True) -> GpuRequest | None:
+    """The first GPU request in precedence order, or None when the container asks for none.
+
+    ``from_env=False`` (the admin's ``gpu_request_env = false``) ignores requests in the
+    container's environment, which on a shared node its author sets freely (CUDA images even
+    carry NVIDIA_VISIBLE_DEVICES=all), as the NVIDIA toolkit's
+    accept-nvidia-visible-devices-envvar-when-unprivileged=false does."""
     annotations = spec.get("annotations") or {}
     if ANNOTATION in annotations:
         return GpuRequest(f"annotation {ANNOTATION}", str(annotations[ANNOTATION]).strip(), "any")
+    if not from_env:
+        return None
     env = _env(spec)
     for var, vendor in ((ENV_GPUSNAP, "any"), (ENV_NVIDIA, "nvidia"), (ENV_AMD, "amd")):
         if var in env:
@@ -134,13 +141,13 @@ def _resolve_items(items: list[str], gpus: list[GpuIdentity], request: GpuReques
     return chosen
 
 
-def select(spec: dict[str, Any], inventory: Inventory) -> Selection | None:
+def select(spec: dict[str, Any], inventory: Inventory, *, from_env: bool = True) -> Selection | None:
     """The GPUs to inject for ``spec``, or None when nothing is to be injected.
 
     Raises UsageError for indexes or UUIDs this host does not have, or a request this host
     cannot serve at all (no driver of that vendor).
     """
-    request = find_request(spec)
+    request = find_request(spec, from_env=from_env)
     if request is None or request.value in ("", "void"):
         return None
     vendor = request.vendor

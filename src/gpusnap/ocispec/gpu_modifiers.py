@@ -166,7 +166,7 @@ def plan_injection(
     # Devices that CDI or the NVIDIA toolkit put there win, whatever the request says.
     if already_injected(spec, cdi_device_paths(settings.host)) is not None:
         return None
-    selection = select(spec, inventory)
+    selection = select(spec, inventory, from_env=settings.gpu_request_env)
     if selection is None:
         return None
     plan = InjectionPlan(selection=selection)
@@ -385,7 +385,7 @@ class GpuInjection:
     def modify(self, spec: dict[str, Any]) -> dict[str, Any]:
         from gpusnap.gpu.selection import find_request
 
-        if find_request(spec) is None:
+        if find_request(spec, from_env=self.settings.gpu_request_env) is None:
             return spec  # the common case: no discovery at all for CPU containers
         strip_own_injection(spec)
         plan = plan_injection(spec, self.settings, self._discover(self.settings), env=self._env, shim_path=self._shim_path)

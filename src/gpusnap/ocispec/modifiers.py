@@ -88,7 +88,7 @@ class CriuConfigModifier:
 
     def apply(self, spec: dict[str, Any], ctx: ModifyContext) -> list[Step]:
         annotations = spec.setdefault("annotations", {})
-        if not has_gpu_request(spec):
+        if not has_gpu_request(spec, from_env=self.settings.gpu_request_env):
             # Written by GpuInjection for the GPUs it gave; without a request there were none,
             # so these came from elsewhere: the GPU plan must not pair a restore with them.
             for key in (GPU_INJECTED_ANNOTATION, GPU_VENDOR_ANNOTATION, "gpusnap.io/criu-libdir"):
@@ -116,17 +116,19 @@ class CriuConfigModifier:
         return [Step(f"write CRIU config {path}", lambda: write_config(path, options), undo)]
 
 
-def has_gpu_request(spec: dict[str, Any]) -> bool:
+def has_gpu_request(spec: dict[str, Any], *, from_env: bool = True) -> bool:
     """Whether the container asks for GPUs (what gpusnap.gpu.selection.find_request reads)."""
     if GPU_REQUEST_ANNOTATION in (spec.get("annotations") or {}):
         return True
+    if not from_env:
+        return False
     env = (spec.get("process") or {}).get("env") or []
     return any(str(item).partition("=")[0] in GPU_REQUEST_ENV for item in env)
 
 
-def asks_for_gpus(spec: dict[str, Any]) -> bool:
+def asks_for_gpus(spec: dict[str, Any], *, from_env: bool = True) -> bool:
     """Whether the GPU modifier has anything to do: a GPU request, or an earlier injection."""
-    return GPU_INJECTED_ANNOTATION in (spec.get("annotations") or {}) or has_gpu_request(spec)
+    return GPU_INJECTED_ANNOTATION in (spec.get("annotations") or {}) or has_gpu_request(spec, from_env=from_env)
 
 
 class LazyGpuInjection:
@@ -138,7 +140,7 @@ class LazyGpuInjection:
         self.settings = settings
 
     def apply(self, spec: dict[str, Any], ctx: ModifyContext) -> list[Step]:
-        if not asks_for_gpus(spec):
+        if not asks_for_gpus(spec, from_env=self.settings.gpu_request_env):
             return []
         from gpusnap.ocispec.gpu_modifiers import GpuInjection
 

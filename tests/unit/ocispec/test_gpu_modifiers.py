@@ -257,3 +257,32 @@ def test_restore_on_a_host_without_the_gpus_is_incompatible(tmp_path: Path, sett
         gm.GpuInjection(bare, env=ENV).apply(spec, ModifyContext("gs-dev-c", tmp_path, "restore", bare))
     with pytest.raises(UsageError):
         gm.GpuInjection(bare, env=ENV).apply(base_spec(["NVIDIA_VISIBLE_DEVICES=1"]), ModifyContext("gs-dev-d", tmp_path, "create", bare))
+
+
+def test_admin_can_refuse_gpu_requests_from_the_containers_environment(settings: Settings, tmp_path: Path) -> None:
+    """gpu_request_env = false: NVIDIA_VISIBLE_DEVICES=all in a pod's env (or a CUDA image's)
+    gets no GPU from gpusnap, as with the NVIDIA toolkit's unprivileged setting; the annotation,
+    which the admin's runtime handler decides to pass or not, still works."""
+    from dataclasses import replace
+
+    strict = replace(settings, gpu_request_env=False)
+    ctx = ModifyContext("gs-env", tmp_path, "create", strict)
+    out = apply_chain(base_spec(["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=all"]), default_chain(strict), ctx).spec
+    assert not any(str(d.get("path", "")).startswith("/dev/nvidia") for d in (out.get("linux") or {}).get("devices") or [])
+    assert gm.ANN_ASSIGNED not in out["annotations"]
+    by_annotation = base_spec(["PATH=/bin"])
+    by_annotation["annotations"] = {"gpusnap.io/gpus": "0"}
+    out = apply_chain(by_annotation, default_chain(strict), ctx).spec
+    assert any(d["path"] == "/dev/nvidia0" for d in out["linux"]["devices"])
+
+
+def test_gpu_request_env_setting_from_the_config_file(tmp_path: Path) -> None:
+    from gpusnap.config import load_settings
+
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("gpu_request_env = false\n")
+    assert load_settings(env={}, config_file=cfg).gpu_request_env is False
+    assert load_settings(env={}, config_file=tmp_path / "none.toml").gpu_request_env is True
+    cfg.write_text('gpu_request_env = "sometimes"\n')
+    with pytest.raises(UsageError, match="true or false"):
+        load_settings(env={}, config_file=cfg)
