@@ -364,6 +364,8 @@ def restore(
                 require_compatible(_remote_metadata(source, insecure, decryption), facts, what=source)
             ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
             info = api.inspect(settings.store_dir, ref, **keys)
+            if decryption and not any(str(layer.media_type).endswith("+encrypted") for layer in info.layers):
+                _refuse_plain(source)
             form = _artifact_form(info)
             meta = _artifact_metadata(info)
             require_compatible(meta, facts, what=source)
@@ -382,6 +384,15 @@ def restore(
                               timings_s={r.name: round(r.seconds, 3) for r in records})
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _refuse_plain(source: str) -> None:
+    """A restore given --decrypt-key expects an encrypted checkpoint; a plain one in its place
+    could be anyone's (only an encrypted one under the user's own key proves its origin)."""
+    from gpusnap.errors import IntegrityError
+
+    raise IntegrityError(f"{source} is not encrypted, but --decrypt-key was given: refusing a checkpoint that may have been replaced; "
+                         "restore without --decrypt-key only if you expect a plain checkpoint there")
 
 
 def _in_store(api: Any, settings: Settings, ref: str) -> bool:
@@ -420,6 +431,8 @@ def _remote_metadata(remote: str, insecure: bool, decryption: Any = None) -> Che
         from gpusnap.errors import IntegrityError
 
         raise IntegrityError(f"the config blob of {remote} does not match its digest {config_desc['digest']}; the registry served other bytes")
+    if decryption and not str(config_desc.get("mediaType", "")).endswith("+encrypted"):
+        _refuse_plain(remote)
     if str(config_desc.get("mediaType", "")).endswith("+encrypted"):
         import io
 

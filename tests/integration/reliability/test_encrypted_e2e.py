@@ -138,6 +138,7 @@ def test_dedup_stays_within_one_key_holder(tmp_path: Path, registry: Registry, l
         for tag, opts in pushes.items():
             r = _gs(env, "push", ref, f"{registry.host}/{repo}:{tag}", "--insecure", *opts)
             assert r.returncode == 0, r.stderr
+        assert _gs(env, "push", ref, f"{registry.host}/{repo}:plain", "--insecure").returncode == 0  # what a registry could swap in
         got = {tag: _layers(registry, repo, tag) for tag in pushes}
         assert got["a1"] == got["a2"]  # one key holder: dedup
         for x, y in (("a1", "b"), ("a1", "r1"), ("r1", "r2"), ("b", "r2")):
@@ -148,6 +149,11 @@ def test_dedup_stays_within_one_key_holder(tmp_path: Path, registry: Registry, l
 
         _gs(env, "delete", name)
         shutil.rmtree(root / "store")
+        # Expecting an encrypted checkpoint, a plain one in its place is refused before it is pulled.
+        r = _gs(env, "restore", f"{registry.host}/{repo}:plain", "--name", name, "--insecure", "--decrypt-key", str(keys["a"]))
+        assert r.returncode == ExitCode.INTEGRITY and "is not encrypted" in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+        blobs = root / "store" / "blobs" / "sha256"
+        assert not blobs.exists() or not any(blobs.iterdir())
         r = _gs(env, "restore", f"{registry.host}/{repo}:r1", "--name", name, "--insecure", "--decrypt-key", str(priv_pem))
         assert r.returncode == 0, r.stderr
         assert last + 1 in _wait_numbers(env, name, 3)
@@ -155,4 +161,5 @@ def test_dedup_stays_within_one_key_holder(tmp_path: Path, registry: Registry, l
     finally:
         _gs(env, "delete", name)
     ledger.record("crypto", "cross-tenant equality: ciphertexts of other keys / recipients-only pushes compared", tried=4, refused=4)
+    ledger.record("crypto", "a plain checkpoint swapped in for an encrypted one", tried=1, refused=1)
     ledger.record("fault", "restore of a recipients-only (random keys) checkpoint", passed=int(held))
