@@ -73,7 +73,13 @@ _FIELD_CASES: list[tuple[str, tuple[str | int, ...], st.SearchStrategy[Any]]] = 
     # newlines (a second option smuggled in), no options that make CRIU run programs.
     ("criu-option-injection", ("annotations", "gpusnap.io/criu-options"), st.sampled_from([
         "tcp-established\naction-script /tmp/gs-rel-pwn", "x\nlibdir /tmp", "action-script=/tmp/gs-rel-pwn", "a  b", "tcp-established\tx",
-        "action-script /tmp/x", "exec-cmd", "log-file=/etc/passwd", "tcp-established\r\nlib /tmp"])),
+        "action-script /tmp/x", "exec-cmd", "log-file=/etc/passwd", "tcp-established\r\nlib /tmp",
+        # ...nor anything off the container allow-list (issue 13): code, namespaces, profiles, paths, network
+        "libdir /tmp/evil", "join-ns net:/proc/1/ns/net", "lsm-profile apparmor:unconfined", "ext-mount-map /:/host",
+        "cgroup-root /", "tls-cacert /etc/shadow", "page-server", "address 1.2.3.4", "ghost-limit 64G", "timeout 0"])),
+    ("criu-env-injection", ("annotations", "gpusnap.io/criu-env"), st.sampled_from([
+        '{"LD_PRELOAD":"/tmp/x.so"}', '{"PATH":"/tmp"}', '{"CRIU_LIBS_DIR":"/tmp"}', '{"KFD_X":"0 --x"}', "[]", "{"])),
+    ("own-criu-config", ("annotations", "org.criu.config"), st.sampled_from(["/nonexistent/c.conf", "relative.conf", "/tmp"])),
 ]
 
 
