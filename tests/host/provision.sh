@@ -74,13 +74,18 @@ fi
 # CRIU 4.2 has the fix; Debian ships it in sid only. apt runs with a private source list and
 # state directory here, so the host's apt configuration is left exactly as it was.
 CRIU42_PREFIX=${GPUSNAP_CRIU42_PREFIX:-/opt/gpusnap-criu42}
-install_criu42() {
-  say "installing CRIU 4.2 (Debian sid) into $CRIU42_PREFIX"
+# sid_apt: a private apt for Debian sid in a new $apt_dir (debs land in $apt_dir/debs); callers
+# use "${apt_opts[@]}" and remove $apt_dir when done.
+sid_apt() {
   apt_dir=$(mktemp -d)
   mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$apt_dir/debs"
   echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian sid main" > "$apt_dir/sources.list"
   apt_opts=(-o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o "Dir::Etc::sourceparts=-" -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache")
   apt-get "${apt_opts[@]}" update -qq >>"$LOG" 2>&1
+}
+install_criu42() {
+  say "installing CRIU 4.2 (Debian sid) into $CRIU42_PREFIX"
+  sid_apt
   (cd "$apt_dir/debs" && apt-get "${apt_opts[@]}" download criu libcompel1 libc6 libgnutls30t64 libnettle8t64 \
      libhogweed6t64 libunistring5 libp11-kit0 libidn2-0 libtasn1-6 libgmp10 libbsd0 libnet9 \
      libnftables1 libnl-3-200 libprotobuf-c1 libuuid1 libmd0 libjansson4 libmnl0 libnftnl11 \
@@ -100,6 +105,28 @@ EOS
 # sid moves: a failed download leaves the tests that need TCP dumps to say so, not the whole run.
 if [ "$MODE" != minimal ] && ! "$CRIU42_PREFIX/bin/criu" --version 2>/dev/null | grep -Eq 'Version: 4\.([2-9]|[1-9][0-9])'; then
   (set -e; install_criu42) || say "warning: CRIU 4.2 not installed (see $LOG); TCP-socket dumps need it on kernels >= 6.16"
+fi
+# ---- containerd 2.1 (Debian sid) beside the stack's 1.6, for the CRI tests ----------------
+# containerd 2.1 restores a container whose pod image is a checkpoint image (CRI); 1.6 cannot.
+# Its binaries need only glibc >= 2.34, so they run as they are. Unpacked into a private prefix
+# (nothing on PATH, no service): tests/stack/cri.py starts its own daemon with its own socket,
+# root, state and config, so the stack's containerd and dockerd never see it. The CRI api.proto
+# (golang-k8s-cri-api-dev) comes along: gpusnap compiles its CRI client from it.
+CTRD2_PREFIX=${GPUSNAP_CONTAINERD2_PREFIX:-/opt/gpusnap-containerd2}
+install_containerd2() {
+  say "installing containerd 2.x (Debian sid) into $CTRD2_PREFIX"
+  sid_apt
+  (cd "$apt_dir/debs" && apt-get "${apt_opts[@]}" download containerd golang-k8s-cri-api-dev >>"$LOG" 2>&1)
+  rm -rf "$CTRD2_PREFIX"; mkdir -p "$CTRD2_PREFIX/bin" "$CTRD2_PREFIX/root" "$CTRD2_PREFIX/cri-api"
+  for f in "$apt_dir"/debs/*.deb; do dpkg -x "$f" "$CTRD2_PREFIX/root"; done
+  rm -rf "$apt_dir" "$CTRD2_PREFIX/root/usr/share/doc" "$CTRD2_PREFIX/root/usr/share/man"
+  # The shim must be found first on the daemon's PATH: a 1.6 shim under a 2.1 daemon fails.
+  for b in containerd containerd-shim-runc-v2 ctr; do ln -sf "../root/usr/bin/$b" "$CTRD2_PREFIX/bin/$b"; done
+  cp "$CTRD2_PREFIX/root/usr/share/gocode/src/k8s.io/cri-api/pkg/apis/runtime/v1/api.proto" "$CTRD2_PREFIX/cri-api/api.proto"
+  "$CTRD2_PREFIX/bin/containerd" --version >>"$LOG" 2>&1
+}
+if [ "$MODE" != minimal ] && ! "$CTRD2_PREFIX/bin/containerd" --version 2>/dev/null | grep -Eq ' v?2\.([1-9]|[1-9][0-9])\.'; then
+  (set -e; install_containerd2) || say "warning: containerd 2.x not installed (see $LOG); the CRI tests (tests/integration/cri) will skip"
 fi
 # runc (and podman's runc) look CRIU up as `criu` on PATH.
 ln -sf "$CRIU_PREFIX/bin/criu" /usr/local/sbin/criu
