@@ -32,7 +32,7 @@ PREFIX = Path(os.environ.get("GPUSNAP_CONTAINERD2_PREFIX", "/opt/gpusnap-contain
 PROTO = PREFIX / "cri-api" / "api.proto"
 CRI_PORTS = range(5400, 5440)  # tests/integration/cri registries
 K8S_NAMESPACE = "k8s.io"  # the containerd namespace the CRI plugin keeps its containers in
-BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "true", "false", "seq", "date", "ls", "mkdir")
+BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "true", "false", "seq", "date", "ls", "mkdir", "env")
 
 
 def available() -> str:
@@ -293,9 +293,9 @@ def container_config(api: Any, name: str, image: str, args: list[str], *, envs: 
     pb = api.pb
     return pb.ContainerConfig(
         metadata=pb.ContainerMetadata(name=name, attempt=0),
-        image=pb.ImageSpec(image=image),
+        image=pb.ImageSpec(image=image, user_specified_image=image),  # the kubelet sends both
         args=args,
-        envs=[pb.KeyValue(key=k, value=v) for k, v in (envs or {}).items()],
+        envs=[pb.KeyValue(key=k, value=v.encode()) for k, v in (envs or {}).items()],  # bytes in the proto
         mounts=[pb.Mount(container_path=c, host_path=h) for h, c in mounts],
         log_path=log_path,
         labels={"io.kubernetes.container.name": name},
