@@ -275,7 +275,8 @@ def push_busybox_image(store_dir: Path, remote: str, entrypoint: list[str], *, a
 
 
 def sandbox_config(api: Any, name: str, namespace: str = "default", uid: str | None = None, log_dir: Path | None = None) -> Any:
-    """A PodSandboxConfig as the kubelet sends it, for a host-network pod (no CNI here)."""
+    """A PodSandboxConfig as the kubelet sends it, for a host-network pod (no CNI here) whose
+    containers each have their own PID namespace (the kubelet's default)."""
     pb = api.pb
     return pb.PodSandboxConfig(
         metadata=pb.PodSandboxMetadata(name=name, namespace=namespace, uid=uid or uuid.uuid4().hex, attempt=0),
@@ -283,7 +284,7 @@ def sandbox_config(api: Any, name: str, namespace: str = "default", uid: str | N
         labels={"io.kubernetes.pod.name": name, "io.kubernetes.pod.namespace": namespace},
         linux=pb.LinuxPodSandboxConfig(
             cgroup_parent=f"/gpusnap-cri-{name}",
-            security_context=pb.LinuxSandboxSecurityContext(namespace_options=pb.NamespaceOption(network=pb.NODE)),
+            security_context=pb.LinuxSandboxSecurityContext(namespace_options=pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER)),
         ),
     )
 
@@ -299,5 +300,5 @@ def container_config(api: Any, name: str, image: str, args: list[str], *, envs: 
         mounts=[pb.Mount(container_path=c, host_path=h) for h, c in mounts],
         log_path=log_path,
         labels={"io.kubernetes.container.name": name},
-        linux=pb.LinuxContainerConfig(security_context=pb.LinuxContainerSecurityContext(namespace_options=pb.NamespaceOption(network=pb.NODE))),
+        linux=pb.LinuxContainerConfig(security_context=pb.LinuxContainerSecurityContext(namespace_options=pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER))),
     )

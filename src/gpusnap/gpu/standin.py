@@ -128,6 +128,11 @@ class StandinBackend:
         if rec is None:
             gpu = environ(self.host.proc, pid).get(GPU_ENV) or self._gpus()[0]["uuid"]
             rec = {"state": ProcessGpuState.RUNNING.value, "gpu": gpu}
+        elif rec.get("imaged_gpu") and rec.get("pid") not in (None, pid):
+            # Another process with this token after a checkpoint: a CRIU copy of the image taken
+            # while CHECKPOINTED. As with the real driver it starts CHECKPOINTED on the imaged GPU,
+            # whatever the original did since (a --leave-running checkpoint resumes it).
+            rec = {"state": ProcessGpuState.CHECKPOINTED.value, "gpu": rec["imaged_gpu"], "imaged_gpu": rec["imaged_gpu"]}
         return rec
 
     def _take_fault(self, call: str, token: str) -> str | None:
@@ -169,8 +174,11 @@ class StandinBackend:
                     )
                 raise GpuCallError(call, pid, "CUDA_ERROR_UNKNOWN (injected)")
             rec["state"] = after.value
+            rec["pid"] = pid
             if gpu is not None:
                 rec["gpu"] = gpu
+            if call == "checkpoint":
+                rec["imaged_gpu"] = rec["gpu"]
             self._write_json(f"procs/{token}.json", rec)
             self._log(call, token, pid, "OK")
 
