@@ -120,7 +120,7 @@ class Containerd2:
         self.config.write_text(text)
         return text
 
-    def start(self, timeout: float = 60) -> "Containerd2":
+    def start(self, timeout: float = 60) -> Containerd2:
         for d in (self.state, self.root):
             d.mkdir(parents=True, exist_ok=True)
         self.config_text()
@@ -161,7 +161,7 @@ class Containerd2:
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run([str(PREFIX / "bin" / "ctr"), "--address", str(self.socket), "--namespace", K8S_NAMESPACE, *args],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, check=False)
         if check and proc.returncode != 0:
             raise AssertionError(f"ctr {' '.join(args)}: {proc.stderr}")
         return proc
@@ -194,7 +194,7 @@ class Containerd2:
         shutil.rmtree(self.state, ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "Containerd2":
+    def __enter__(self) -> Containerd2:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

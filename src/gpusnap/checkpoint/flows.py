@@ -198,6 +198,12 @@ def restore(
         meta = CheckpointMetadata.read(image_dir)
     except (ValueError, TypeError) as exc:
         raise RestoreError(f"{image_dir}/gpusnap.json is unreadable ({exc}); re-create the checkpoint") from None
+    if meta is not None and meta.arch and meta.arch != platform.machine():
+        # Engines that pick the image themselves (containerd restoring a Kubernetes checkpoint
+        # image) check no architecture: refused here, before runc or CRIU sees a foreign image.
+        from gpusnap.errors import IncompatibleHostError
+
+        raise IncompatibleHostError(f"the checkpoint was taken on {meta.arch} and this host is {platform.machine()}; restore it on a {meta.arch} host")
     bundle = (call.cwd / (call.inv.value("bundle") or ".")).absolute()
     ref = ContainerRef(container_id=call.container_id, init_pid=0, bundle=bundle)
     args, env = call.criu_args_env(criu)

@@ -67,7 +67,7 @@ def _register_optional(app: typer.Typer) -> None:
     """Command modules other parts of gpusnap add (install, suspend, artifacts) when present."""
     import importlib
 
-    for name in ("gpusnap.cli.artifacts", "gpusnap.cli.install", "gpusnap.cli.suspend"):
+    for name in ("gpusnap.cli.artifacts", "gpusnap.cli.install", "gpusnap.cli.suspend", "gpusnap.cli.cri"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:

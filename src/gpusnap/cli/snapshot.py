@@ -11,7 +11,9 @@ from gpusnap.cli.output import human_size
 from gpusnap.engines import flows
 from gpusnap.engines.base import CheckpointOptions
 
-ENGINE_OPT = typer.Option("--engine", "-e", help="auto (the engine that owns it), runc-direct, podman or docker.")
+ENGINE_OPT = typer.Option("--engine", "-e", help="auto (the engine that owns it), runc-direct, podman, docker, or cri (a pod's container over the node's CRI socket).")
+NAMESPACE_OPT = typer.Option("--namespace", help="--engine cri: the pod's Kubernetes namespace.")
+SOCKET_OPT = typer.Option("--cri-socket", help="--engine cri: the node's CRI socket (CRI-O: /var/run/crio/crio.sock).")
 
 
 def register(app: typer.Typer) -> None:
@@ -31,13 +33,23 @@ def register(app: typer.Typer) -> None:
         recipient: Annotated[Optional[list[Path]], typer.Option("--recipient", metavar="PUBKEY.pem", help="Also let this public key (PEM, X25519 or RSA) decrypt it; repeatable.")] = None,
         encrypt_mode: Annotated[Optional[str], typer.Option("--encrypt-mode", metavar="keyed|random", help="Blob keys from --encrypt-key (keyed: dedup within that key; the default with a key) or random (no dedup; the default for recipients only).")] = None,
         podman_image: Annotated[bool, typer.Option("--podman-image", help="With --push: push podman's own checkpoint image, which `podman container restore REF` restores without gpusnap (podman containers only).")] = False,
+        namespace: Annotated[str, NAMESPACE_OPT] = "default",
+        cri_socket: Annotated[str, SOCKET_OPT] = "/run/containerd/containerd.sock",
     ) -> None:
-        """Checkpoint a container through its engine, store it locally, push it if asked."""
+        """Checkpoint a container through its engine, store it locally, push it if asked.
+
+        With --engine cri, CONTAINER is POD[/CONTAINER] and the checkpoint is the kubelet's:
+        a checkpoint archive (the container keeps running), pushed as a checkpoint image with --push."""
         from gpusnap.cli.main import get_ctx, require_root
         from gpusnap.packaging.crypto import encryption_from_options
 
         require_root("gpusnap checkpoint")
         c = get_ctx(ctx)
+        if engine == "cri":
+            from gpusnap.cli.cri import run_checkpoint
+
+            run_checkpoint(c, container, namespace=namespace, socket=cri_socket, output=output, push=push, insecure=insecure, as_json=as_json)
+            return
         opts = CheckpointOptions(leave_running=leave_running, tcp_established=tcp_established, compress=compress)
         # Keys are read before anything is dumped: a bad key file must not cost a checkpoint.
         encryption = encryption_from_options(encrypt_key, recipient or [], encrypt_mode)
@@ -65,12 +77,25 @@ def register(app: typer.Typer) -> None:
         insecure: Annotated[bool, typer.Option("--insecure", help="Allow a plain-HTTP registry.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
         decrypt_key: Annotated[Optional[list[Path]], typer.Option("--decrypt-key", metavar="KEYFILE", help="Key file or PEM private key that opens an encrypted checkpoint; repeatable.")] = None,
+        namespace: Annotated[str, NAMESPACE_OPT] = "default",
+        cri_socket: Annotated[str, SOCKET_OPT] = "/run/containerd/containerd.sock",
+        runtime_handler: Annotated[str, typer.Option("--runtime-handler", help="--engine cri: the new pod's runtime handler (the RuntimeClass's).")] = "gpusnap",
+        host_network: Annotated[bool, typer.Option("--host-network", help="--engine cri: the new pod uses the node's network (no CNI).")] = False,
     ) -> None:
-        """Pull if needed, check this host can take it, and restore through the engine."""
+        """Pull if needed, check this host can take it, and restore through the engine.
+
+        With --engine cri, SOURCE is a checkpoint image or a kubelet checkpoint archive, and --name
+        names the new pod: checked against this node first, then restored as a new pod."""
         from gpusnap.cli.main import get_ctx, require_root
 
         require_root("gpusnap restore")
         c = get_ctx(ctx)
+        if engine == "cri":
+            from gpusnap.cli.cri import run_restore
+
+            run_restore(c, source, pod=name, namespace=namespace, socket=cri_socket, handler=runtime_handler, host_network=host_network,
+                        insecure=insecure, as_json=as_json)
+            return
         keys: dict[str, object] = {}
         if decrypt_key:
             from gpusnap.packaging.crypto import load_decryption_keys

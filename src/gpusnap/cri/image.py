@@ -205,7 +205,12 @@ def archive_to_image(store_dir: Path, archive_path: Path, image_ref: str, *, arc
     The archive itself becomes the one uncompressed layer, byte for byte when it is a plain tar
     (its digest is then also its diff ID); the runtimes unpack that layer and read it exactly as
     they would the archive. ``arch`` (GOARCH) defaults to the checkpoint's, else this host's."""
-    from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, Descriptor, OciStore, normalize_ref
+    from gpusnap.packaging.store import (
+        MEDIA_OCI_MANIFEST,
+        Descriptor,
+        OciStore,
+        normalize_ref,
+    )
 
     archive = read_archive(Path(archive_path))
     image_ref = normalize_ref(image_ref)

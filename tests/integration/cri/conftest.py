@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the stack package
-from stack.cri import (  # noqa: E402
+from stack.cri import (
     CRI_PORTS,
     Containerd2,
     available,
@@ -26,10 +26,10 @@ from stack.cri import (  # noqa: E402
     push_busybox_image,
     sandbox_config,
 )
-from stack.registry import Registry  # noqa: E402
-from stack.shim import RUNC, Shim  # noqa: E402
+from stack.registry import Registry
+from stack.shim import RUNC, Shim
 
-from gpusnap.cri.client import CriClient, kubelet_checkpoint_name  # noqa: E402
+from gpusnap.cri.client import CriClient, kubelet_checkpoint_name
 
 PAUSE = ["/bin/sh", "-c", "trap 'exit 0' TERM INT; while :; do sleep 1000 & wait $!; done"]
 COUNTER = "i=0; while :; do echo $i; i=$((i+1)); sleep 0.1; done"
@@ -84,14 +84,23 @@ class Kubelet:
     def create(self, name: str, handler: str, image: str, *, args: list[str] | None = None, envs: dict[str, str] | None = None,
                namespace: str = "default") -> Pod:
         """:meth:`run` up to CreateContainer (the container is created, not started)."""
+        pod = self.create_pod(name, handler, namespace)
+        self.cri.pull_image(image, pod.sandbox)
+        cfg = self.container_config(name, image, args=args, envs=envs)
+        pod.container, pod.container_name = self.cri.create_container(pod.id, cfg, pod.sandbox), name
+        pod.log = Path(pod.sandbox.log_directory) / name / "0.log"
+        return pod
+
+    def create_pod(self, name: str, handler: str, namespace: str = "default") -> Pod:
+        """RunPodSandbox with ``handler`` (a RuntimeClass's handler)."""
         logs = self.base / "var" / "log" / "pods" / f"{namespace}_{name}_{uuid.uuid4().hex[:8]}"
         sb = sandbox_config(self.cri.api, name, namespace, log_dir=logs)
         pod = Pod(name, namespace, self.cri.run_pod(sb, handler), sb)
         self.pods.append(pod)
-        self.cri.pull_image(image, sb)
-        cfg = container_config(self.cri.api, name, image, ["-c", args[0]] if args else [], envs=envs, log_path=f"{name}/0.log")
-        pod.container, pod.container_name, pod.log = self.cri.create_container(pod.id, cfg, sb), name, logs / name / "0.log"
         return pod
+
+    def container_config(self, name: str, image: str, *, args: list[str] | None = None, envs: dict[str, str] | None = None) -> Any:
+        return container_config(self.cri.api, name, image, ["-c", args[0]] if args else [], envs=envs, log_path=f"{name}/0.log")
 
     def checkpoint(self, pod: Pod) -> Path:
         """What ``POST /checkpoint/{namespace}/{pod}/{container}`` makes the kubelet do."""

@@ -14,7 +14,17 @@ from gpusnap.cri.client import CriError
 from gpusnap.cri.image import ANN_CRIU_NAME, ANN_GPUS, archive_to_image, read_archive
 from gpusnap.packaging.api import push
 
-from .conftest import COUNTER, GPU_COUNTER, H200, Kubelet, Pod, numbers, processes_with, standin_gpus, wait_numbers
+from .conftest import (
+    COUNTER,
+    GPU_COUNTER,
+    H200,
+    Kubelet,
+    Pod,
+    numbers,
+    processes_with,
+    standin_gpus,
+    wait_numbers,
+)
 
 pytestmark = pytest.mark.integration
 

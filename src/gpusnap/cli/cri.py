@@ -1,0 +1,76 @@
+"""Kubernetes nodes: ``checkpoint/restore --engine cri`` (called from cli/snapshot.py) and
+``gpusnap cri-image`` (a kubelet checkpoint archive -> a checkpoint image, pushed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from gpusnap.cli.output import human_size
+
+SOCKET_HELP = "The node's CRI socket (containerd: /run/containerd/containerd.sock; CRI-O: /var/run/crio/crio.sock)."
+DEFAULT_SOCKET = "/run/containerd/containerd.sock"
+
+
+def run_checkpoint(c: Any, container: str, *, namespace: str, socket: str, output: Path | None, push: str | None, insecure: bool,
+                   as_json: bool) -> None:
+    from gpusnap.cri import engine
+
+    result = engine.checkpoint(c.settings, engine.parse_target(container, namespace), socket=socket, output=output, push=push, insecure=insecure)
+    if as_json:
+        c.out.json(result.to_dict())
+        return
+    c.out.info(f"checkpointed {result.namespace}/{result.pod}/{result.container} (cri, still running) -> {result.archive} in {result.seconds}s")
+    if result.pushed:
+        c.out.info(f"pushed checkpoint image {result.pushed}: a pod whose image is this restores it (containerd >= 2.1, CRI-O)")
+    for note in result.notes:
+        c.out.info(f"note: {note}")
+
+
+def run_restore(c: Any, source: str, *, pod: str | None, namespace: str, socket: str, handler: str, host_network: bool, insecure: bool,
+                as_json: bool) -> None:
+    from gpusnap.cri import engine
+    from gpusnap.errors import UsageError
+
+    if not pod:
+        raise UsageError("restore --engine cri needs --name POD (the new pod's name)")
+    result = engine.restore(c.settings, source, pod=pod, namespace=namespace, handler=handler, socket=socket, host_network=host_network,
+                            insecure=insecure)
+    if as_json:
+        c.out.json(result.to_dict())
+        return
+    c.out.info(f"restored {result.namespace}/{result.pod}/{result.container} (cri, handler {handler}) from {source} in {result.seconds}s")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("cri-image")
+    def cri_image(
+        ctx: typer.Context,
+        archive: Annotated[Path, typer.Argument(help="A kubelet checkpoint archive (/var/lib/kubelet/checkpoints/checkpoint-*.tar).")],
+        push: Annotated[str | None, typer.Option("--push", help="Push the checkpoint image to this reference, e.g. registry.example.com/ckpt/app:1.")] = None,
+        tag: Annotated[str | None, typer.Option("--tag", help="Its tag in the local store (default: from the archive's name).")] = None,
+        arch: Annotated[str | None, typer.Option("--arch", help="GOARCH of the image (default: the checkpoint's, else this host's).")] = None,
+        insecure: Annotated[bool, typer.Option("--insecure", help="Allow a plain-HTTP registry.")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    ) -> None:
+        """Turn a kubelet checkpoint archive into a checkpoint image that containerd 2.x and CRI-O restore."""
+        from gpusnap.cli.main import get_ctx
+        from gpusnap.cri.image import archive_to_image
+
+        c = get_ctx(ctx)
+        local = tag or f"cri/{archive.name.removesuffix('.tar').removesuffix('.gz').lower()}:latest"
+        image = archive_to_image(c.settings.store_dir, archive, local, arch=arch)
+        pushed = ""
+        if push:
+            from gpusnap.packaging.api import push as push_image
+
+            push_image(c.settings.store_dir, image.ref, push, insecure=insecure)
+            pushed = push
+        if as_json:
+            c.out.json({"ref": image.ref, "digest": image.digest, "layer_size": image.layer_size, "annotations": image.annotations, "pushed": pushed})
+            return
+        c.out.info(f"stored checkpoint image {image.ref} ({human_size(image.layer_size)}, {image.digest})")
+        if pushed:
+            c.out.info(f"pushed {pushed}: use it as a pod's container image to restore")
