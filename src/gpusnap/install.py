@@ -48,6 +48,7 @@ class InstallPaths:
     containers_conf_d: Path = Path("/etc/containers/containers.conf.d")
     daemon_json: Path = Path("/etc/docker/daemon.json")
     containerd_config: Path = Path("/etc/containerd/config.toml")
+    containerd_bin: str = "containerd"  # asked for its version when the config file has none
 
 
 @dataclass
@@ -56,6 +57,9 @@ class InstallOptions:
     hook_path: str
     name: str = DEFAULT_NAME
     paths: InstallPaths = field(default_factory=InstallPaths)
+    # containerd config version for a new (or version-less, empty) config.toml: 3 for
+    # containerd 2.x, 2 for 1.x; 0 = ask the containerd binary. A file's own version always wins.
+    containerd_config_version: int = 0
 
 
 @dataclass
@@ -269,6 +273,22 @@ def _strip_block(text: str, name: str) -> str:
     return pattern.sub("\n", text).rstrip("\n") + ("\n" if text.strip() else "")
 
 
+def containerd_config_version(binary: str) -> int:
+    """The config version a containerd binary writes by default: 3 from containerd 2.0 on, else 2
+    (also when it is not installed: 1.x is what distributions still ship most)."""
+    import subprocess
+
+    path = shutil.which(binary)
+    if not path:
+        return 2
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 2
+    m = re.search(r"\sv?(\d+)\.(\d+)\.\d+", out)
+    return 3 if m and int(m.group(1)) >= 2 else 2
+
+
 def plan_containerd(opts: InstallOptions, remove: bool = False) -> list[FileEdit]:
     """A marked block appended to config.toml. Hand-written rather than a TOML rewrite: no TOML
     writer is among our dependencies, and appending keeps the operator's file (comments,
@@ -285,7 +305,14 @@ def plan_containerd(opts: InstallOptions, remove: bool = False) -> list[FileEdit
     ours = _BEGIN.format(name=opts.name) in text
     base = _strip_block(text, opts.name) if ours else text
     base_data = tomllib.loads(base) if ours else data
-    version = int(base_data.get("version", 2 if not base.strip() else 1))
+    if "version" in base_data:
+        version = int(base_data["version"])
+    elif base.strip():
+        version = 1  # containerd reads a version-less file as version 1
+    else:
+        version = opts.containerd_config_version or containerd_config_version(opts.paths.containerd_bin)
+    if version not in (1, 2, 3):
+        raise UsageError(f"{path}: config version {version} is not one containerd reads (1, 2 or 3)")
     table = _containerd_table(version, opts.name)
     if remove:
         if not ours:
@@ -298,7 +325,7 @@ def plan_containerd(opts: InstallOptions, remove: bool = False) -> list[FileEdit
         )
     block = [_BEGIN.format(name=opts.name)]
     if not base.strip():
-        block.append("version = 2")
+        block.append(f"version = {version}")
     block += [
         f"[{_toml_key(table)}]",
         'runtime_type = "io.containerd.runc.v2"',
@@ -384,6 +411,17 @@ def apply(edits: list[FileEdit], dry_run: bool = False, *, clock: Any = time.gmt
     for e in edits:
         changes.append(by_path.get(e.path) or Change(e.path, "unchanged", e.summary))
     return changes
+
+
+def diff(edit: FileEdit) -> str:
+    """The unified diff an edit makes (``--dry-run`` prints it)."""
+    import difflib
+
+    old = (edit.old or "").splitlines(keepends=True)
+    new = (edit.new or "").splitlines(keepends=True)
+    src = str(edit.path) if edit.old is not None else "/dev/null"
+    dst = str(edit.path) if edit.new is not None else "/dev/null"
+    return "".join(difflib.unified_diff(old, new, src, dst))
 
 
 def install(engine: str, opts: InstallOptions, dry_run: bool = False) -> list[Change]:

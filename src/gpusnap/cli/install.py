@@ -33,6 +33,7 @@ DaemonJson = Annotated[Path, typer.Option("--daemon-json", help="dockerd's daemo
 ContainerdConfig = Annotated[Path, typer.Option("--containerd-config", help="containerd's config.toml.")]
 Reload = Annotated[bool, typer.Option("--reload", help="docker: send SIGHUP to dockerd (pid from --docker-pidfile) so it loads the runtime.")]
 PidFile = Annotated[Path, typer.Option("--docker-pidfile", help="dockerd's pid file, for --reload.")]
+ConfigVersion = Annotated[int, typer.Option("--containerd-config-version", help="containerd: version of a new config.toml, 3 (containerd 2.x) or 2 (1.x); default: asked of `containerd --version`. An existing file keeps its own.")]
 
 _DEF = core.InstallPaths()
 
@@ -59,9 +60,18 @@ def _reload_dockerd(pidfile: Path) -> str:
 
 
 def _run(remove: bool, engine: Engine, dry_run: bool, name: str, runtime_path: Path | None, hook_path: Path | None,
-         paths: core.InstallPaths, reload: bool, pidfile: Path) -> None:
+         paths: core.InstallPaths, reload: bool, pidfile: Path, config_version: int = 0) -> None:
     try:
         opts = _options(name, runtime_path, hook_path, paths)
+        opts.containerd_config_version = config_version
+        if dry_run:
+            edits = core.plan(engine.value, opts, remove=remove)
+            for c in core.apply(edits, dry_run=True):
+                typer.echo(c.describe(dry_run))
+            for e in edits:
+                if e.changes:
+                    typer.echo(core.diff(e), nl=False)
+            return
         changes = (core.uninstall if remove else core.install)(engine.value, opts, dry_run)
         for c in changes:
             typer.echo(c.describe(dry_run))
@@ -89,13 +99,17 @@ def register(app: typer.Typer) -> None:
         containerd_config: ContainerdConfig = _DEF.containerd_config,
         reload: Reload = False,
         docker_pidfile: PidFile = Path("/var/run/docker.pid"),
+        config_version: ConfigVersion = 0,
     ) -> None:
         """Register gpusnap-runtime (and, for podman, the gpusnap-hook hooks) with ENGINE.
 
-        Running it again changes nothing; a changed file is backed up first.
+        Running it again changes nothing; a changed file is backed up first; --dry-run prints
+        the diff. containerd: a CRI runtime handler (RuntimeClass handler) named --name.
         """
+        if config_version not in (0, 2, 3):
+            raise typer.BadParameter("--containerd-config-version must be 2 or 3")
         paths = core.InstallPaths(hooks_dir, _DEF.system_containers_conf, containers_conf, containers_conf_d, daemon_json, containerd_config)
-        _run(False, engine, dry_run, name, runtime_path, hook_path, paths, reload, docker_pidfile)
+        _run(False, engine, dry_run, name, runtime_path, hook_path, paths, reload, docker_pidfile, config_version)
 
     @app.command("uninstall")
     def uninstall_cmd(
