@@ -32,6 +32,7 @@ PREFIX = Path(os.environ.get("GPUSNAP_CONTAINERD2_PREFIX", "/opt/gpusnap-contain
 PROTO = PREFIX / "cri-api" / "api.proto"
 CRI_PORTS = range(5400, 5440)  # tests/integration/cri registries
 K8S_NAMESPACE = "k8s.io"  # the containerd namespace the CRI plugin keeps its containers in
+BUSYBOX = os.environ.get("GPUSNAP_BUSYBOX", "/bin/busybox")  # a static busybox (the GPU machine has none: staged)
 BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "true", "false", "seq", "date", "ls", "mkdir", "env")
 
 
@@ -54,6 +55,9 @@ class Containerd2:
     runtimes: dict[str, str]
     registry: str  # host:port of the test registry (plain HTTP)
     pause_image: str
+    tools_bin: str = ""  # put first on the daemon's PATH: containerd looks CRIU up there (GPU machine: .gpu-tools/bin)
+    # overlayfs on a host whose /var/lib is itself overlay (some GPU machine images) fails: native there.
+    snapshotter: str = field(default_factory=lambda: os.environ.get("GPUSNAP_CRI_SNAPSHOTTER", "overlayfs"))
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     proc: subprocess.Popen | None = None  # type: ignore[type-arg]
 
@@ -89,7 +93,7 @@ class Containerd2:
             '  stream_server_address = "127.0.0.1"',
             '  stream_server_port = "0"',
             "[plugins.'io.containerd.cri.v1.images']",
-            '  snapshotter = "overlayfs"',
+            f'  snapshotter = "{self.snapshotter}"',
             "[plugins.'io.containerd.cri.v1.images'.pinned_images]",
             f'  sandbox = "{self.pause_image}"',
             "[plugins.'io.containerd.cri.v1.images'.registry]",
@@ -124,7 +128,7 @@ class Containerd2:
         for d in (self.state, self.root):
             d.mkdir(parents=True, exist_ok=True)
         self.config_text()
-        env = {**os.environ, "PATH": f"{PREFIX / 'bin'}:{HOST_PATH}"}
+        env = {**os.environ, "PATH": ":".join(p for p in (str(PREFIX / "bin"), self.tools_bin, HOST_PATH) if p)}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([str(PREFIX / "bin" / "containerd"), "--config", str(self.config), "--log-level", "debug"],
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -236,7 +240,7 @@ def _busybox_layer() -> bytes:
             info = tarfile.TarInfo(d)
             info.type, info.mode = tarfile.DIRTYPE, 0o755 if d != "tmp" else 0o1777
             tar.addfile(info)
-        tar.add("/bin/busybox", "bin/busybox")
+        tar.add(BUSYBOX, "bin/busybox")
         for applet in BUSYBOX_APPLETS:
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
@@ -244,7 +248,28 @@ def _busybox_layer() -> bytes:
     return buf.getvalue()
 
 
-def push_busybox_image(store_dir: Path, remote: str, entrypoint: list[str], *, arch: str | None = None) -> str:
+def _hostfs_layer() -> bytes:
+    """busybox plus the mount points and merged-/usr links a pod that runs the host's own
+    programs needs: the host's /usr (and /opt) are bind-mounted over them (as CRI mounts)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for d in ("bin", "tmp", "proc", "sys", "dev", "etc", "data", "usr", "opt", "root"):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755 if d != "tmp" else 0o1777
+            tar.addfile(info)
+        tar.add(BUSYBOX, "bin/busybox")
+        for applet in BUSYBOX_APPLETS:
+            info = tarfile.TarInfo(f"bin/{applet}")
+            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(info)
+        for link in ("lib", "lib64", "sbin"):
+            info = tarfile.TarInfo(link)
+            info.type, info.linkname = tarfile.SYMTYPE, f"usr/{link}"
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+def push_busybox_image(store_dir: Path, remote: str, entrypoint: list[str], *, arch: str | None = None, hostfs: bool = False) -> str:
     """A one-layer static-busybox OCI image with ``entrypoint``, stored in a gpusnap store at
     ``store_dir`` and pushed to ``remote`` (host:port/repo:tag) with gpusnap's registry client.
     Returns the manifest digest."""
@@ -252,7 +277,7 @@ def push_busybox_image(store_dir: Path, remote: str, entrypoint: list[str], *, a
     from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, Descriptor, OciStore
 
     store = OciStore(store_dir)
-    layer = _busybox_layer()
+    layer = _hostfs_layer() if hostfs else _busybox_layer()
     with store.writing():
         layer_digest = store.put_bytes(layer)
         config = json.dumps({
@@ -290,15 +315,18 @@ def sandbox_config(api: Any, name: str, namespace: str = "default", uid: str | N
 
 
 def container_config(api: Any, name: str, image: str, args: list[str], *, envs: dict[str, str] | None = None,
-                     mounts: list[tuple[str, str]] = (), log_path: str = "") -> Any:  # type: ignore[assignment]
+                     mounts: list[tuple[str, str, bool]] = (), log_path: str = "", devices: list[str] = ()) -> Any:  # type: ignore[assignment]
+    """A ContainerConfig as the kubelet sends it; ``mounts``: (host path, container path, read-only);
+    ``devices``: host device nodes given at the same path (what a device plugin hands the kubelet)."""
     pb = api.pb
     return pb.ContainerConfig(
         metadata=pb.ContainerMetadata(name=name, attempt=0),
         image=pb.ImageSpec(image=image, user_specified_image=image),  # the kubelet sends both
         args=args,
         envs=[pb.KeyValue(key=k, value=v.encode()) for k, v in (envs or {}).items()],  # bytes in the proto
-        mounts=[pb.Mount(container_path=c, host_path=h) for h, c in mounts],
+        mounts=[pb.Mount(container_path=c, host_path=h, readonly=ro) for h, c, ro in mounts],
         log_path=log_path,
+        devices=[pb.Device(container_path=d, host_path=d, permissions="rwm") for d in devices],
         labels={"io.kubernetes.container.name": name},
         linux=pb.LinuxContainerConfig(security_context=pb.LinuxContainerSecurityContext(namespace_options=pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER))),
     )

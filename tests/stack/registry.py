@@ -23,7 +23,7 @@ from pathlib import Path
 
 import requests
 
-REGISTRY_BIN = "/usr/bin/docker-registry"
+REGISTRY_BIN = os.environ.get("GPUSNAP_REGISTRY_BIN", "/usr/bin/docker-registry")  # staged elsewhere on the GPU machine
 PKG_PORTS = range(5100, 5150)  # tests/integration/packaging
 CLI_PORTS = range(5200, 5250)  # tests/integration/cli
 REL_PORTS = range(5360, 5400)  # tests/integration/reliability

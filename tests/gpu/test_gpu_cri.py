@@ -1,0 +1,114 @@
+"""The Kubernetes path with the real CUDA driver: a pod with the ``gpusnap`` runtime handler on
+containerd 2.1 (staged by tests/gpu/stage.sh into .gpu-tools/containerd2), running the
+deterministic CUDA worker from the host's Python (its /usr and /opt as CRI mounts, the GPU device
+nodes as CRI devices, as a device plugin hands them over). CheckpointContainer as the kubelet
+calls it, the pod removed, the archive pushed as a checkpoint image to a local registry, a new pod
+from that image: its GPU tensor's values equal a fresh reference run's at every step.
+
+Mirrors tests/integration/cri/test_cri_worker.py, which runs the same pod with the driver stand-in
+on CPU machines."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gpu_harness import WORKER, assert_matches, reference
+from stack.cri import CRI_PORTS, Containerd2, available, push_busybox_image
+from stack.kubelet import Kubelet
+from stack.registry import Registry
+from stack.shim import Shim
+
+from gpusnap.cri.image import archive_to_image, read_archive
+from gpusnap.packaging.api import push
+
+pytestmark = pytest.mark.gpu
+GB = float(os.environ.get("GS_GPU_CRI_GB", "1"))
+PAUSE = ["/bin/sh", "-c", "trap 'exit 0' TERM INT; while :; do sleep 1000 & wait $!; done"]
+
+
+def steps(data: Path) -> dict[int, int]:
+    out = {}
+    for line in (data / "out0").read_text().splitlines() if (data / "out0").exists() else []:
+        parts = line.split()
+        if len(parts) == 2:
+            out[int(parts[0])] = int(parts[1])
+    return out
+
+
+def wait_step(data: Path, step: int, timeout: float = 300) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if max(steps(data), default=0) >= step:
+            return max(steps(data))
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout}s; at {max(steps(data), default=0)}")
+
+
+@pytest.fixture
+def node(tmp_path: Path):  # type: ignore[no-untyped-def]
+    why = available()
+    if why:
+        pytest.skip(why + " (tests/gpu/stage.sh stages it as .gpu-tools/containerd2)")
+    tools = os.environ.get("GPUSNAP_GPU_TOOLS", "")
+    tools_bin = f"{tools}/bin" if tools else ""
+    path = ":".join(p for p in (tools_bin, str(Path(sys.executable).parent), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin") if p)
+    shim = Shim.at(tmp_path / "shim", "gpusnap-runtime", {"GPUSNAP_GPU_BACKEND": "nvidia", "PATH": path})
+    with Registry(tmp_path / "registry", CRI_PORTS) as reg:
+        push_busybox_image(tmp_path / "images", f"{reg.host}/k8s/pause:1", PAUSE)
+        push_busybox_image(tmp_path / "images", f"{reg.host}/library/hostfs:1", ["/bin/sh"], hostfs=True)
+        ctrd = Containerd2({"gpusnap": str(shim.wrapper)}, reg.host, f"{reg.host}/k8s/pause:1", tools_bin=tools_bin,
+                           snapshotter=os.environ.get("GPUSNAP_CRI_SNAPSHOTTER", "native"))
+        try:
+            ctrd.start()
+            with ctrd.client() as cri:
+                yield Kubelet(tmp_path, ctrd, reg, cri, tmp_path, f"{reg.host}/library/hostfs:1")
+        finally:
+            ctrd.stop()
+
+
+def cuda_pod(node: Kubelet, name: str, image: str, data: Path):  # type: ignore[no-untyped-def]
+    mounts = [("/usr", "/usr", True), (str(data), "/data", False)]
+    # The interpreter, its venv and its base installation, wherever they live (/opt/torch/.venv).
+    tops = {"/" + Path(p).resolve().parts[1] for p in (sys.prefix, sys.base_prefix, sys.executable)}
+    mounts += [(t, t, True) for t in sorted(tops - {"/usr"})]
+    devices = [d for d in ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools") if os.path.exists(d)]
+    devices += sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))[:1]
+    envs = {"WORKER_MODE": "cuda", "GB": str(GB), "SLEEP": "0.01", "PYTHONUNBUFFERED": "1", "HOME": "/tmp",
+            "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"}
+    return node.run(name, "gpusnap", image, args=[f"exec {sys.executable} /data/gpu_worker.py /data/out0"], envs=envs,
+                    mounts=mounts, devices=devices)
+
+
+def test_cuda_pod_checkpointed_by_cri_and_restored_from_image(node: Kubelet, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(WORKER, data / "gpu_worker.py")
+    pod = cuda_pod(node, "trainer", node.image, data)
+    wait_step(data, 100)
+    t = time.perf_counter()
+    archive = node.checkpoint(pod)
+    checkpoint_s = time.perf_counter() - t
+    wait_step(data, max(steps(data)) + 20)  # leave-running: it goes on after the checkpoint
+    node.remove(pod)
+    at_checkpoint = max(steps(data))
+    meta = read_archive(archive).meta
+    assert meta is not None and meta.gpus and meta.processes, "gpusnap-runtime recorded the GPU process"
+
+    store = tmp_path / "store"
+    image = archive_to_image(store, archive, "local/trainer:1")
+    remote = f"{node.registry.host}/checkpoints/trainer:1"
+    push(store, image.ref, remote, insecure=True)
+    t = time.perf_counter()
+    restored = cuda_pod(node, "trainer", remote, data)
+    restore_s = time.perf_counter() - t
+    stop = at_checkpoint + 300
+    wait_step(data, stop)
+    matched = assert_matches(steps(data), reference("cuda", GB, stop, tmp_path), after=at_checkpoint)
+    print(f"cri gpu: {GB} GiB, archive {archive.stat().st_size >> 20} MiB, CheckpointContainer {checkpoint_s:.2f}s, "
+          f"new pod from checkpoint image {restore_s:.2f}s, {matched} steps equal to the reference")
+    node.remove(restored)
