@@ -8,6 +8,7 @@ runtime it talks to, and no generated module can go stale against the installed 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -52,28 +53,31 @@ class CriApi:
 
 
 def load(proto: Path | None = None) -> CriApi:
-    """Compile (once per process: Python's module cache keeps it) and return the CRI types."""
+    """Compile (once per process and proto: Python's module cache keeps it) and return the CRI types."""
     try:
         import grpc
         from grpc_tools import protoc  # noqa: F401  (protos_and_services needs it)
     except ModuleNotFoundError as exc:
         raise MissingDependencyError(f"Python module {exc.name} is missing; install gpusnap[k8s] (grpcio, grpcio-tools) for the CRI engine") from None
-    if f"{_MODULE}_pb2" in sys.modules:
-        return CriApi(sys.modules[f"{_MODULE}_pb2"], sys.modules[f"{_MODULE}_pb2_grpc"], grpc)
     src = find_proto(proto)
+    # Keyed by the file's content: the same proto compiles once per process, another one (a
+    # node's newer CRI) gets its own modules instead of the first one's.
+    name = f"{_MODULE}_{hashlib.sha256(src.read_bytes()).hexdigest()[:12]}"
+    if f"{name}_pb2" in sys.modules:
+        return CriApi(sys.modules[f"{name}_pb2"], sys.modules[f"{name}_pb2_grpc"], grpc)
     # protos_and_services resolves the proto through sys.path: a private directory holds a copy
     # under our module name for just this call.
     with tempfile.TemporaryDirectory(prefix="gpusnap-cri-") as tmp:
-        shutil.copyfile(src, Path(tmp) / f"{_MODULE}.proto")
+        shutil.copyfile(src, Path(tmp) / f"{name}.proto")
         sys.path.insert(0, tmp)
         try:
-            pb, services = grpc.protos_and_services(f"{_MODULE}.proto")
+            pb, services = grpc.protos_and_services(f"{name}.proto")
         except Exception as exc:  # noqa: BLE001 - protoc reports a bad proto as any error
             raise UsageError(f"{src} could not be compiled as the CRI api.proto ({exc}); point {PROTO_ENV} at k8s.io/cri-api's api.proto") from None
         finally:
             sys.path.remove(tmp)
-    sys.modules[f"{_MODULE}_pb2"] = pb
-    sys.modules[f"{_MODULE}_pb2_grpc"] = services
+    sys.modules[f"{name}_pb2"] = pb
+    sys.modules[f"{name}_pb2_grpc"] = services
     return CriApi(pb, services, grpc)
 
 
