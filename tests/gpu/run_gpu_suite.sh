@@ -37,7 +37,10 @@ if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
 fi
 export PATH=$TOOLS/bin:$(dirname "$(command -v python3)"):$SITE/bin:$PATH PYTHONUNBUFFERED=1
 export GPUSNAP_GPU_TOOLS=$TOOLS   # the device tests (test_gpu_devices.py) find runc there
-if [ -x "$TOOLS/containerd2/bin/containerd" ]; then   # test_gpu_cri.py (stage.sh puts it there)
+if [ -f "$TOOLS/containerd2.tar.xz" ] && [ ! -x "$TOOLS/containerd2/bin/containerd" ]; then
+  tar -C "$TOOLS" -xJf "$TOOLS/containerd2.tar.xz" || exit 5   # GS_GPU_CRI=1 stage.sh packed it
+fi
+if [ -x "$TOOLS/containerd2/bin/containerd" ]; then   # for test_gpu_cri.py
   export GPUSNAP_CONTAINERD2_PREFIX=$TOOLS/containerd2 GPUSNAP_REGISTRY_BIN=$TOOLS/containerd2/extra/docker-registry \
     GPUSNAP_BUSYBOX=$TOOLS/containerd2/extra/busybox
 fi

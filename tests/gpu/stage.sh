@@ -29,16 +29,21 @@ if [ -x "$CRIU42/bin/criu" ] && [ -d "$CRIU42/root" ]; then
   printf '#!/bin/sh\nexec "$(dirname "$(readlink -f "$0")")/../criu42/bin/criu" "$@"\n' > "$DEST/.gpu-tools/bin/criu"
   chmod +x "$DEST/.gpu-tools/bin/criu"
 fi
-# containerd 2.x for tests/gpu/test_gpu_cri.py, where tests/host/provision.sh installed it: its
-# binaries and the CRI api.proto, the registry and a static busybox its pods' images are made of
-# (the GPU machine has neither), and below the wheels of the CRI client (grpcio, grpcio-tools).
+# With GS_GPU_CRI=1, containerd 2.x for tests/gpu/test_gpu_cri.py, where tests/host/provision.sh
+# installed it: containerd, its runc shim, the CRI api.proto, the registry and a static busybox
+# its pods' images are made of (the GPU machine has neither), as one xz archive (about 21 MB;
+# 80 MB unpacked would not fit the device tool's 64 MiB carry), which run_gpu_suite.sh unpacks;
+# and below the wheels of the CRI client (grpcio, grpcio-tools, protobuf: about 9 MB).
 CTRD2=${GS_GPU_CONTAINERD2:-/opt/gpusnap-containerd2}
-if [ -x "$CTRD2/bin/containerd" ] && [ -f "$CTRD2/cri-api/api.proto" ]; then
-  rm -rf "$DEST/.gpu-tools/containerd2"; mkdir -p "$DEST/.gpu-tools/containerd2/bin" "$DEST/.gpu-tools/containerd2/extra"
-  cp -L "$CTRD2"/bin/containerd "$CTRD2"/bin/containerd-shim-runc-v2 "$CTRD2"/bin/ctr "$DEST/.gpu-tools/containerd2/bin/"
-  cp -r "$CTRD2/cri-api" "$DEST/.gpu-tools/containerd2/"
-  cp /usr/bin/docker-registry /bin/busybox "$DEST/.gpu-tools/containerd2/extra/"
-  CRI_WHEELS=1
+rm -f "$DEST/.gpu-tools/containerd2.tar.xz"
+if [ "${GS_GPU_CRI:-0}" = 1 ]; then
+  [ -x "$CTRD2/bin/containerd" ] && [ -f "$CTRD2/cri-api/api.proto" ] || { echo "stage.sh: no containerd 2.x in $CTRD2 (run tests/host/provision.sh)" >&2; exit 1; }
+  c2=$(mktemp -d); mkdir -p "$c2/containerd2/bin" "$c2/containerd2/extra"
+  cp -L "$CTRD2"/bin/containerd "$CTRD2"/bin/containerd-shim-runc-v2 "$c2/containerd2/bin/"
+  cp -r "$CTRD2/cri-api" "$c2/containerd2/"
+  cp /usr/bin/docker-registry /bin/busybox "$c2/containerd2/extra/"
+  tar -C "$c2" -cJf "$DEST/.gpu-tools/containerd2.tar.xz" containerd2
+  rm -rf "$c2"
 fi
 rm -f "$DEST"/.whl/gpusnap-*.whl
 PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python
@@ -49,7 +54,7 @@ PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST/.whl" \
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
-if [ "${CRI_WHEELS:-0}" = 1 ]; then
+if [ "${GS_GPU_CRI:-0}" = 1 ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST/.whl" \
     grpcio==1.85.3 grpcio-tools==1.85.1 protobuf==7.36.2

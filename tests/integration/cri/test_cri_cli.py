@@ -107,6 +107,17 @@ def test_cli_checkpoint_push_and_restore_with_refusals(node: Kubelet) -> None:
         assert len(processes_with(f"GPUSNAP_STANDIN_CUDA={token}")) == 1
         node.cri.stop_pod(restored.id)
         node.cri.remove_pod(restored.id)
+        # From the kubelet archive on this node, no registry involved: containerd reads it directly.
+        since = time.time()
+        res = json.loads(gs(node, "restore", "--engine", "cri", str(archive), "--name", "job3", "--cri-socket", sock, "--host-network", "--json").stdout)
+        status = node.cri.container_status(res["container_id"]).status
+        shutil.rmtree(log_dir, ignore_errors=True)
+        log_dir = Path(status.log_path).parent.parent
+        got = wait_numbers(Path(status.log_path), 5, since=since)
+        assert before + 1 <= got[0] <= after + 1
+        assert [c.split()[0] for c in (node.standin / "calls.log").read_text().splitlines()][-2:] == ["restore", "unlock"]
+        node.cri.stop_pod(res["pod_id"])
+        node.cri.remove_pod(res["pod_id"])
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 
