@@ -3,6 +3,9 @@
 - :mod:`stack.proc`: running host commands, unique names, polling, the host-config lock;
 - :mod:`stack.registry`: a real docker-registry per test;
 - :mod:`stack.shim`: gpusnap-runtime behind a wrapper script, busybox bundles, stdio pipes;
+- :mod:`stack.cri`: a private containerd 2.x daemon (CRI) per test, and busybox images pushed
+  to a test registry;
+- :mod:`stack.kubelet`: the CRI calls the kubelet makes, against that daemon;
 - :mod:`stack.fixtures`: the pytest fixtures several suites share (the modules above do not
   import pytest: bench/ uses them too, through tests/gpu_harness.py).
 
