@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,11 +112,16 @@ def store_checkpoint(
     compress: bool = False,
     parent: str | None = None,
     encryption: EncryptionConfig | None = None,
+    on_blob: Callable[[Descriptor], None] | None = None,
 ) -> StoredCheckpoint:
     """Package a checkpoint (directory or podman archive) as an artifact tagged ``ref`` in the store.
 
     ``encryption``: seal every layer (gpusnap.packaging.encrypted) before the tag appears; the
     plaintext blobs are then garbage-collected so only ciphertext stays at rest.
+    ``on_blob(desc)``: called from a worker thread as each blob of the artifact is complete and
+    readable through the store (packs as they are committed, then the piece table, tar layers
+    and config; see /docs/artifact-format.md). Blobs reused from earlier checkpoints are not
+    reported. Not called for encrypted stores (the plaintext blobs are not what is pushed).
     """
     _check_form(form)
     source = Path(source)
@@ -132,7 +138,13 @@ def store_checkpoint(
     parent_digest = store.resolve(parent).digest if parent else None
     with store.writing():
         try:
-            built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest)
+            built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest,
+                                      on_blob=on_blob if encryption is None else None,
+                                      # Encrypted checkpoints keep format v1: their plaintext is
+                                      # not kept at rest, so there are no stored pieces to reference,
+                                      # and v1's content-defined blobs still encrypt to the same
+                                      # ciphertext (dedup between encrypted checkpoints).
+                                      version=2 if encryption is None else 1)
             manifest_digest, manifest_size = built.manifest_digest, built.manifest_size
             if encryption is not None:
                 from gpusnap.packaging.encrypted import encrypt_manifest
@@ -186,17 +198,22 @@ def materialize_checkpoint(store_dir: Path, ref: str, dest: Path, *, form: str, 
         return dest
     # criu-dir and docker-dir are the CRIU image directory (docker's adds nothing of its own).
     prefix = None if src_form in ("criu-dir", "docker-dir") else art.config.get("criuDir", "")
+    if art.config.get("schemaVersion", 1) >= 2:
+        return fmt.write_directory_pieced(store, art, prefix, dest)
     return fmt.write_directory(fmt.iter_tree(store, art, prefix), dest)
 
 
 def _role(media_type: str) -> str:
     base = fmt.base_media(media_type)
+    base_pieces = fmt.base_media(fmt.MEDIA_PIECES)
     return {
         fmt.MEDIA_CRIU: "criu",
         fmt.MEDIA_ENGINE: "engine",
         fmt.MEDIA_PAGES: "pages",
         fmt.MEDIA_ROOTFS: "rootfs-diff",
         fmt.MEDIA_DATA: "data",
+        fmt.MEDIA_PACK: "pack",
+        base_pieces: "pieces",
     }.get(base, "other")
 
 
@@ -206,7 +223,7 @@ def _layer_rows(layers: list[Descriptor]) -> list[LayerInfo]:
     for d in layers:
         role = _role(d.media_type)
         name = d.annotations.get(fmt.A_FILE) or d.annotations.get(fmt.A_TITLE, "")
-        if fmt.is_chunk_media(d.media_type):
+        if fmt.is_chunk_media(d.media_type) or d.media_type == fmt.MEDIA_PACK:
             row = by_file.get(name)
             if row is None:
                 row = by_file[name] = LayerInfo(d.media_type, d.digest, 0, role, name, 0)
