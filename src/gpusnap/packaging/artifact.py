@@ -37,7 +37,7 @@ from gpusnap.metadata import METADATA_FILE, CheckpointMetadata
 from gpusnap.packaging import chunker, pstree
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging import pack as packing
-from gpusnap.packaging.pagemap import PAGEMAP_NAME, boundaries
+from gpusnap.packaging.pagemap import PAGEMAP_NAME, ranges_of
 from gpusnap.packaging.safetar import LinkTracker, check_member
 from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, BlobWriter, Descriptor, OciStore, sha256_digest
 
@@ -284,8 +284,7 @@ def build_artifact(
                     index = len(col.files)
                     if role == "pages":
                         base = entry.name.rsplit("/", 1)[-1]
-                        forced = boundaries(pagemaps, base, entry.info.size)
-                        offset = writer.add_pages(index, entry.stream, entry.info.size, forced)
+                        offset = writer.add_pages(index, entry.stream, entry.info.size, ranges_of(pagemaps, base, entry.info.size))
                     else:
                         offset = writer.add_cdc(index, entry.stream, entry.info.size)
                 else:

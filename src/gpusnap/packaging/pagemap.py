@@ -8,7 +8,7 @@ begins, instead of guessing from the bytes.
 
 Wire format (criu/images/pagemap.proto): pagemap_head {pages_id = 1}, then pagemap_entry
 {vaddr = 1 (uint64), nr_pages = 2, in_parent = 3 (bool, images before flags existed),
-flags = 4}. Flags (criu/include/pagemap.h): PE_PARENT 1, PE_LAZY 2, PE_PRESENT 4; pages are in
+flags = 4, and since CRIU 4.2 the page count as uint64 in field 5 (field 2 then holds 0)}. Flags (criu/include/pagemap.h): PE_PARENT 1, PE_LAZY 2, PE_PRESENT 4; pages are in
 the file iff PE_PRESENT. An entry without flags is present unless in_parent. Read with the small
 protobuf reader in :mod:`gpusnap.packaging.pstree` (why hand-written: see there).
 """
@@ -49,6 +49,8 @@ def parse_pagemap(data: bytes) -> tuple[int, list[PageRange]]:
         if 1 not in f:
             raise ImageFormatError("pagemap entry without vaddr")
         vaddr, nr = int(f[1][0]), int(f.get(2, [0])[0])
+        if 5 in f and int(f[5][0]):
+            nr = int(f[5][0])  # CRIU 4.2 moved the count to a uint64 (field 5) and writes 0 in field 2
         if 4 in f:
             present = bool(int(f[4][0]) & PE_PRESENT)
         else:
@@ -77,8 +79,8 @@ def merge_contiguous(ranges: list[PageRange]) -> list[PageRange]:
     return out
 
 
-def boundaries(pagemaps: dict[str, bytes], pages_name: str, size: int) -> list[int] | None:
-    """Page indexes (in ``pages_name``) where a new memory range starts, or None when unknown
+def ranges_of(pagemaps: dict[str, bytes], pages_name: str, size: int) -> list[PageRange] | None:
+    """The merged memory ranges ``pages_name`` holds, in file order, or None when unknown
     (no pagemap names this file, it cannot be parsed, or it does not add up to ``size``)."""
     m = re.match(r"^pages-(\d+)\.img$", pages_name)
     if not m:
@@ -94,5 +96,11 @@ def boundaries(pagemaps: dict[str, bytes], pages_name: str, size: int) -> list[i
         merged = merge_contiguous(ranges)
         if sum(r.nr_pages for r in merged) * PAGE_SIZE != size:
             return None
-        return [r.file_offset // PAGE_SIZE for r in merged]
+        return merged
     return None
+
+
+def boundaries(pagemaps: dict[str, bytes], pages_name: str, size: int) -> list[int] | None:
+    """Page indexes (in ``pages_name``) where a new memory range starts, or None when unknown."""
+    merged = ranges_of(pagemaps, pages_name, size)
+    return None if merged is None else [r.file_offset // PAGE_SIZE for r in merged]

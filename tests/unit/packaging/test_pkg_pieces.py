@@ -40,11 +40,12 @@ def _field(num: int, value: int) -> bytes:
     return _varint(num << 3) + _varint(value)
 
 
-def _pagemap(pages_id: int, entries: list[tuple[int, int, int | None, bool]]) -> bytes:
-    """entries: (vaddr, nr_pages, flags or None for a pre-flags image, in_parent)."""
+def _pagemap(pages_id: int, entries: list[tuple[int, int, int | None, bool]], *, criu42: bool = False) -> bytes:
+    """entries: (vaddr, nr_pages, flags or None for a pre-flags image, in_parent).
+    ``criu42``: the count as CRIU 4.2 writes it (uint64 field 5, field 2 zero)."""
     msgs = [_field(1, pages_id)]
     for vaddr, nr, flags, in_parent in entries:
-        m = _field(1, vaddr) + _field(2, nr)
+        m = _field(1, vaddr) + (_field(2, 0) + _field(5, nr) if criu42 else _field(2, nr))
         if in_parent:
             m += _field(3, 1)
         if flags is not None:
@@ -103,6 +104,39 @@ def test_pagemap_keeps_only_entries_whose_pages_are_in_the_file() -> None:
     assert [(r.vaddr, r.file_offset // PAGE, r.nr_pages) for r in ranges] == [(0x1000, 0, 2), (0x30000, 2, 3), (0x50000, 5, 6)]
 
 
+def test_pagemap_of_criu_4_2_reads_the_64_bit_page_count() -> None:
+    img = _pagemap(8, [(0x7F0000000000, 300000, PE_LAZY | PE_PRESENT, False), (0x7F1000000000, 2, PE_PRESENT, False)], criu42=True)
+    pages_id, ranges = parse_pagemap(img)
+    assert pages_id == 8 and [r.nr_pages for r in ranges] == [300000, 2] and ranges[1].file_offset == 300000 * PAGE
+
+
+def test_aligned_pieces_end_at_address_multiples_whatever_the_window() -> None:
+    from gpusnap.packaging.pack import AlignedCutter
+    from gpusnap.packaging.pagemap import PageRange
+
+    p = PackParams()
+    ranges = [PageRange(0x10003000, 0, 100), PageRange(0x20000000, 100 * PAGE, 70), PageRange(0x30001000, 170 * PAGE, 40)]
+    data = bytearray(_rand(210 * PAGE, 4))
+    data[110 * PAGE:170 * PAGE] = bytes(60 * PAGE)  # zero pages in the second range
+    def cut(window: int) -> list[tuple[int, int, bool]]:
+        c, out = AlignedCutter(ranges, p.piece_pages), []
+        for s0 in range(0, 210, window):
+            e = min(210, s0 + window)
+            z, k = page_features(memoryview(data)[s0 * PAGE:e * PAGE], e - s0, p.divisor)
+            out += c.feed(z, k)
+        return out + c.finish()
+    pieces = cut(210)
+    assert pieces == cut(1) == cut(33)
+    vaddr = {0: 0x10003000, 100: 0x20000000, 170: 0x30001000}
+    def va(page: int) -> int:
+        base = max(b for b in vaddr if b <= page)
+        return vaddr[base] + (page - base) * PAGE
+    for a, b, zero in pieces:
+        assert b in (100, 170, 210) or va(b) % (p.piece_pages * PAGE) == 0
+        assert zero == (not any(data[a * PAGE:b * PAGE]))
+    assert (132, 170, True) in pieces  # aligned zero pieces merged up to the range end
+
+
 # ---- cutting ------------------------------------------------------------------------------------
 def _cut(data: bytes, forced: list[int], window: int, p: PackParams = PackParams()) -> list[tuple[int, int, bool]]:
     n = len(data) // PAGE
@@ -150,16 +184,46 @@ def test_the_same_pages_at_another_place_give_the_same_pieces() -> None:
 
 
 # ---- storing and materializing -------------------------------------------------------------------
-def test_moved_and_reordered_ranges_are_not_stored_again(tmp_path: Path) -> None:
+def test_reordered_ranges_and_ranges_at_other_aligned_addresses_are_not_stored_again(tmp_path: Path) -> None:
     r1, r2, r3 = _rand(4 << 20, 11), _rand(4 << 20, 12), _rand(4 << 20, 13)
     a = _checkpoint(tmp_path / "a", [(0x10000000, r1), (0x20000000, r2), (0x30000000, r3)])
-    # the buffers come back at other addresses, in another order, one grown by 3 pages in front
-    b = _checkpoint(tmp_path / "b", [(0x70000000, r3), (0x50000000, _rand(3 * PAGE, 14) + r1), (0x60000000, r2)])
+    # CRIU writes them in another order, two at other addresses (128 KiB multiples), and one
+    # range split into two entries at a page that is no multiple of the piece size
+    b = _checkpoint(tmp_path / "b", [(0x70000000, r3), (0x50020000, r1[: 5 * PAGE]), (0x50020000 + 5 * PAGE, r1[5 * PAGE:]), (0x20000000, r2)])
     s1 = api.store_checkpoint(tmp_path / "s", a, form="criu-dir", ref="gs-pkg/a")
     s2 = api.store_checkpoint(tmp_path / "s", b, form="criu-dir", ref="gs-pkg/b", parent="gs-pkg/a")
     assert s1.new_bytes >= 12 << 20
-    # only the pieces where the grown buffer begins are new: a few pieces, not a range
-    assert s2.new_bytes <= 4 * PackParams().max_pages * PAGE, (s1.new_bytes, s2.new_bytes)
+    assert s2.new_bytes == 0, (s1.new_bytes, s2.new_bytes)
+    out = api.materialize_checkpoint(tmp_path / "s", "gs-pkg/b", tmp_path / "out", form="criu-dir")
+    assert _files(out) == _files(b)
+
+
+def test_changed_pages_cost_their_pieces_only(tmp_path: Path) -> None:
+    body = bytearray(_rand(16 << 20, 15))
+    a = _checkpoint(tmp_path / "a", [(0x10000000, bytes(body))])
+    for page in (7, 1000, 3001):  # three scattered pages change
+        body[page * PAGE] ^= 0xFF
+    b = _checkpoint(tmp_path / "b", [(0x10000000, bytes(body))])
+    api.store_checkpoint(tmp_path / "s", a, form="criu-dir", ref="gs-pkg/a")
+    s2 = api.store_checkpoint(tmp_path / "s", b, form="criu-dir", ref="gs-pkg/b")
+    assert s2.new_bytes == 3 * PackParams().piece_pages * PAGE
+
+
+def test_cdc_mode_follows_buffers_that_moved_by_any_number_of_pages(tmp_path: Path) -> None:
+    r1, r2 = _rand(4 << 20, 16), _rand(4 << 20, 17)
+    a = _checkpoint(tmp_path / "a", [(0x10000000, r1), (0x20000000, r2)])
+    b = _checkpoint(tmp_path / "b", [(0x20000000, r2), (0x50000000 + 3 * PAGE, _rand(3 * PAGE, 18) + r1)])
+    store = OciStore(tmp_path / "s")
+    params = PackParams(cut="cdc")
+    sizes = []
+    for src in (a, b):
+        with store.writing():
+            built = fmt.build_artifact(store, fmt.iter_directory(src), form="criu-dir", metadata=None, compress=False,
+                                       parent=None, pack_params=params)
+            store.tag(f"gs-pkg/{src.name}", fmt.Descriptor(fmt.MEDIA_OCI_MANIFEST, built.manifest_digest, built.manifest_size))
+        sizes.append(built.new_bytes)
+    assert sizes[0] >= 8 << 20
+    assert sizes[1] <= 4 * params.max_pages * PAGE, sizes  # only the pieces where r1 grew
     out = api.materialize_checkpoint(tmp_path / "s", "gs-pkg/b", tmp_path / "out", form="criu-dir")
     assert _files(out) == _files(b)
 
@@ -182,7 +246,7 @@ def test_a_second_store_references_pieces_where_they_lie_and_survives_gc(tmp_pat
 def test_zero_runs_cost_nothing_and_come_back_as_holes(tmp_path: Path) -> None:
     src = _checkpoint(tmp_path / "a", [(0x10000000, bytes(64 << 20) + _rand(1 << 20, 31) + bytes(8 << 20))])
     s = api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/z")
-    assert s.new_bytes <= (1 << 20) + 64 * PAGE
+    assert s.new_bytes <= (1 << 20) + 2 * PackParams().piece_pages * PAGE
     out = api.materialize_checkpoint(tmp_path / "s", "gs-pkg/z", tmp_path / "out", form="criu-dir")
     assert _files(out) == _files(src)
     st = (out / "pages-1.img").stat()
