@@ -284,7 +284,12 @@ def build_artifact(
                     index = len(col.files)
                     if role == "pages":
                         base = entry.name.rsplit("/", 1)[-1]
-                        offset = writer.add_pages(index, entry.stream, entry.info.size, ranges_of(pagemaps, base, entry.info.size))
+                        ranges = ranges_of(pagemaps, base, entry.info.size)
+                        raw = getattr(entry.stream, "raw", None)
+                        if ranges and pack_params.cut == "vaddr" and isinstance(raw, io.FileIO):
+                            offset = writer.add_pages_fd(index, raw.fileno(), entry.info.size, ranges)  # a directory's file
+                        else:
+                            offset = writer.add_pages(index, entry.stream, entry.info.size, ranges)
                     else:
                         offset = writer.add_cdc(index, entry.stream, entry.info.size)
                 else:

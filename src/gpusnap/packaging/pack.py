@@ -403,7 +403,7 @@ class PackWriter:
         self.nbuf = self.depth + params.pack_target // params.window + 4
         for _ in range(self.nbuf):
             self.free.put(_Buffer(params.window + tail, self.free))
-        self.inflight: collections.deque[tuple[_Buffer | None, list[_Piece], Future[None]]] = collections.deque()
+        self.inflight: collections.deque[tuple[_Buffer | None, Future[list[_Piece]]]] = collections.deque()
         self.fresh: dict[bytes, _Piece] = {}
         self.records: list[tuple[Any, int, int, int, int, int, int, bytes]] = []
         self.packs_order: list[Any] = []
@@ -414,10 +414,39 @@ class PackWriter:
         self.stats = {"pieces": 0, "zero_pieces": 0, "zero_bytes": 0, "deduped_pieces": 0, "deduped_bytes": 0,
                       "new_pieces": 0, "compressed_pieces": 0}
         self._lock = threading.Lock()
-        self._error: BaseException | None = None
+        self._fds: list[int] = []
 
     # -- worker side -------------------------------------------------------------------------
-    def _hash(self, pieces: list[_Piece]) -> None:
+    def _read_and_hash(self, buf: _Buffer, fd: int, fi: int, bounds: np.ndarray) -> list[_Piece]:
+        """Worker: read pages [bounds[0], bounds[-1]) of ``fd`` into ``buf``, find the zero
+        pieces among ``bounds``' pieces and hash the others (aligned cutting needs no data to
+        place its cuts, so whole windows run here, reads included, off the main thread)."""
+        start = int(bounds[0]) * PAGE
+        length = (int(bounds[-1]) - int(bounds[0])) * PAGE
+        mv = memoryview(buf.data)[:length]
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [mv[got:]], start + got)
+            if n <= 0:
+                raise IntegrityError(f"pages file ended {length - got} bytes early; it changed while being stored")
+            got += n
+        zero, _ = page_features(mv, length // PAGE, self.p.divisor)
+        rel = (bounds - bounds[0]).astype(np.int64)
+        allzero = np.logical_and.reduceat(zero, rel[:-1])
+        pieces: list[_Piece] = []
+        for k in range(len(rel) - 1):
+            a, b = int(rel[k]) * PAGE, int(rel[k + 1]) * PAGE
+            if allzero[k]:
+                if pieces and pieces[-1].zero and pieces[-1].offset + pieces[-1].raw == start + a:
+                    pieces[-1].raw += b - a
+                else:
+                    pieces.append(_Piece(fi, start + a, b - a, zero=True))
+            else:
+                pieces.append(_Piece(fi, start + a, b - a, view=mv[a:b]))
+        self._hash(pieces)
+        return pieces
+
+    def _hash(self, pieces: list[_Piece]) -> list[_Piece]:
         zc = zstandard.ZstdCompressor(level=3) if self.compress else None
         misses = 0
         for pc in pieces:
@@ -431,6 +460,7 @@ class PackWriter:
                     misses = 0
                 else:
                     misses += 1  # incompressible data (weights): stop trying for this window
+        return pieces
 
     def _write_pack(self, pack: _Pack) -> Descriptor:
         try:
@@ -481,13 +511,20 @@ class PackWriter:
         if buf is not None:
             with self._lock:
                 buf.refs += 1  # the window itself, until its results are placed
-        self.inflight.append((buf, pieces, self.pool.submit(self._hash, pieces)))
+        self.inflight.append((buf, self.pool.submit(self._hash, pieces)))
+        while len(self.inflight) > self.depth:
+            self._drain_one()
+
+    def _submit_read(self, buf: _Buffer, fd: int, fi: int, bounds: np.ndarray) -> None:
+        with self._lock:
+            buf.refs += 1
+        self.inflight.append((buf, self.pool.submit(self._read_and_hash, buf, fd, fi, bounds)))
         while len(self.inflight) > self.depth:
             self._drain_one()
 
     def _drain_one(self) -> None:
-        buf, pieces, fut = self.inflight.popleft()
-        fut.result()
+        buf, fut = self.inflight.popleft()
+        pieces = fut.result()
         idxs: list[int] = []  # parts of the open pack that are views into ``buf``
         nbytes = 0
         for pc in pieces:
@@ -563,6 +600,24 @@ class PackWriter:
             self.packs_order.append(pack)
 
     # -- feeding files ---------------------------------------------------------------------------
+    def add_pages_fd(self, file_index: int, fd: int, size: int, ranges: list[Any]) -> int:
+        """Cut a pages file that can be read at any offset (a file of a checkpoint directory)
+        by address: windows of whole pieces are read, checked for zeros and hashed by the
+        workers in parallel; this thread only schedules them and places the results."""
+        cuts = AlignedCutter(ranges, self.p.piece_pages).cuts
+        if int(cuts[-1]) * PAGE != size:
+            raise IntegrityError(f"pages file is {size} bytes, its pagemap says {int(cuts[-1]) * PAGE}")
+        fd = os.dup(fd)  # the caller may close its file before the workers have read it
+        self._fds.append(fd)
+        per = self.p.window // PAGE
+        i = 0
+        while i < len(cuts) - 1:
+            j = int(np.searchsorted(cuts, int(cuts[i]) + per, side="right")) - 1
+            j = max(j, i + 1)
+            self._submit_read(self._get_buffer(), fd, file_index, cuts[i:j + 1])
+            i = j
+        return size
+
     def add_pages(self, file_index: int, stream: Any, size: int, ranges: list[Any] | None) -> int:
         """Cut a pages file read from ``stream`` (``readinto``); returns the bytes read.
 
@@ -647,9 +702,16 @@ class PackWriter:
         packs = [pk.desc if isinstance(pk, _Pack) else pk for pk in self.packs_order]
         records = [((r[0].desc if isinstance(r[0], _Pack) else r[0]),) + r[1:] for r in self.records]
         self.pool.shutdown(wait=True)
+        self._close_fds()
         return PackResult(records, packs, self.new_bytes, len(self.sealed), self.stats)  # type: ignore[arg-type]
 
     def abort(self) -> None:
-        for _, _, fut in self.inflight:
+        for _, fut in self.inflight:
             fut.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
