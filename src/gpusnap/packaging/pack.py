@@ -278,7 +278,7 @@ class AlignedCutter:
 
 
 # ---- the dedup index ------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class KnownPiece:
     blob: Descriptor  # pack blob that holds it
     blob_offset: int
@@ -287,7 +287,9 @@ class KnownPiece:
     flags: int
 
 
-MAX_KNOWN = 1_000_000  # ~150 MB at most; older checkpoints beyond it are simply not deduped against
+# ~150 B each: 500k pieces (~75 MB) cover the parent and two more 20 GB checkpoints at 128 KiB;
+# older checkpoints beyond it are simply not deduped against (bounded memory, never wrong).
+MAX_KNOWN = 500_000
 
 
 def known_pieces(store: OciStore, prefer: list[str] | None = None, limit: int = MAX_KNOWN) -> dict[bytes, KnownPiece]:
@@ -404,7 +406,7 @@ class PackWriter:
         for _ in range(self.nbuf):
             self.free.put(_Buffer(params.window + tail, self.free))
         self.inflight: collections.deque[tuple[_Buffer | None, Future[list[_Piece]]]] = collections.deque()
-        self.fresh: dict[bytes, _Piece] = {}
+        self.fresh: dict[bytes, tuple[_Pack, int, int, int, int]] = {}  # new pieces: pack, offset, stored, flags, raw
         self.records: list[tuple[Any, int, int, int, int, int, int, bytes]] = []
         self.packs_order: list[Any] = []
         self._pack_ids: set[int] = set()
@@ -542,10 +544,10 @@ class PackWriter:
                 self.records.append((k.blob, pc.offset, k.blob_offset, pc.file, pc.raw, k.stored, k.flags, pc.sha))
                 continue
             f = self.fresh.get(pc.sha)
-            if f is not None and f.raw == pc.raw:
+            if f is not None and f[4] == pc.raw:
                 self.stats["deduped_pieces"] += 1
                 self.stats["deduped_bytes"] += pc.raw
-                self.records.append((f.pack, pc.offset, f.blob_offset, pc.file, pc.raw, f.stored_len, f.flags, pc.sha))
+                self.records.append((f[0], pc.offset, f[1], pc.file, pc.raw, f[2], f[3], pc.sha))
                 continue
             compressed = pc.stored is not None
             data = pc.stored if compressed else pc.view
@@ -560,8 +562,7 @@ class PackWriter:
                 nbytes += pc.raw
             self.open.parts.append(data)
             self.open.size += pc.stored_len
-            self.fresh[pc.sha] = _Piece(pc.file, pc.offset, pc.raw, pack=pc.pack, blob_offset=pc.blob_offset,
-                                        stored_len=pc.stored_len, flags=pc.flags)
+            self.fresh[pc.sha] = (pc.pack, pc.blob_offset, pc.stored_len, pc.flags, pc.raw)
             self.stats["new_pieces"] += 1
             self.new_bytes += pc.stored_len
             self.records.append((pc.pack, pc.offset, pc.blob_offset, pc.file, pc.raw, pc.stored_len, pc.flags, pc.sha))
