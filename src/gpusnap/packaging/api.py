@@ -217,6 +217,28 @@ def _role(media_type: str) -> str:
     }.get(base, "other")
 
 
+def _piece_rows(layers: list[Descriptor], layout: Any) -> list[LayerInfo]:
+    """v2: the tar layers and the piece table as they are, then one row per stored file (the
+    packs holding its pieces, the bytes it takes in them) — what v1's chunk rows showed."""
+    role_name = {"pages": "pages", "rootfs": "rootfs-diff", "data": "data"}
+    rows = [LayerInfo(d.media_type, d.digest, d.size, _role(d.media_type), d.annotations.get(fmt.A_TITLE, ""))
+            for d in layers if d.media_type != fmt.MEDIA_PACK]
+    for f in layout.files:
+        packs: dict[str, None] = {}
+        stored: set[tuple[str, int]] = set()
+        size = 0
+        for plan in layout.blobs:
+            for p in plan.placements:
+                if p.path == f.path:
+                    packs.setdefault(plan.descriptor.digest, None)
+                    if (plan.descriptor.digest, p.blob_offset) not in stored:
+                        stored.add((plan.descriptor.digest, p.blob_offset))
+                        size += p.stored_length
+        first = next(iter(packs), "")
+        rows.append(LayerInfo(fmt.MEDIA_PACK, first, size, role_name.get(f.role, f.role), f.path, len(packs)))
+    return rows
+
+
 def _layer_rows(layers: list[Descriptor]) -> list[LayerInfo]:
     rows: list[LayerInfo] = []
     by_file: dict[str, LayerInfo] = {}
@@ -235,7 +257,8 @@ def _layer_rows(layers: list[Descriptor]) -> list[LayerInfo]:
     return rows
 
 
-def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descriptor], annotations: dict[str, str]) -> ArtifactInfo:
+def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descriptor], annotations: dict[str, str],
+               layout: Any = None) -> ArtifactInfo:
     gpusnap_meta = config.get("gpusnap") or {}
     return ArtifactInfo(
         ref=ref,
@@ -251,7 +274,7 @@ def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descr
         arch=config.get("arch", ""),
         sizes=config.get("sizes", {}),
         stored_size=sum(d.size for d in layers),
-        layers=_layer_rows(layers),
+        layers=_piece_rows(layers, layout) if layout is not None else _layer_rows(layers),
         process_tree=config.get("processTree", []),
         gpus=config.get("gpus", []) or gpusnap_meta.get("gpus", []),
         gpu_processes=config.get("processes", []) or gpusnap_meta.get("processes", []),
@@ -274,7 +297,12 @@ def inspect(store_dir: Path, ref: str, *, decryption: DecryptionKeys | None = No
         layers = [Descriptor.from_dict(x) for x in manifest.get("layers", [])]
         return _info_from(ref, desc.digest, config, layers, manifest.get("annotations", {}))
     art = fmt.load(store, desc.digest)
-    return _info_from(ref, desc.digest, art.config, art.layers, art.manifest.get("annotations", {}))
+    layout = None
+    if art.config.get("schemaVersion", 1) >= 2:
+        from gpusnap.packaging.layout import layout_of
+
+        layout = layout_of(store, art)
+    return _info_from(ref, desc.digest, art.config, art.layers, art.manifest.get("annotations", {}), layout)
 
 
 def inspect_path(path: Path, *, form: str | None = None) -> ArtifactInfo:

@@ -114,7 +114,7 @@ def test_podman_archive_round_trip(tmp_path: Path, compression: str) -> None:
     info = api.inspect(tmp_path / "s", stored.ref)
     assert info.engine["name"] == "podman" and info.container == {"id": "abc123", "name": "gs-pkg-web"}
     assert info.image["name"] == "localhost/gpusnap-busybox:latest" and info.created == "2026-11-22T01:00:00Z"
-    assert {la.role for la in info.layers} >= {"criu", "engine", "pieces", "pack"}
+    assert {la.role for la in info.layers} >= {"criu", "engine", "pieces", "pages", "rootfs-diff"}
     assert info.sizes["pages"] == 3 << 20 and info.sizes["rootfsDiff"] == 2 << 20
     for name in ("out.tar.zst", "out.tar.gz", "out.tar"):
         out = api.materialize_checkpoint(tmp_path / "s", stored.ref, tmp_path / name, form="podman-archive")
