@@ -68,7 +68,7 @@ class PackParams:
     cdc_avg: int = 1 << 20  # other large files (FastCDC 2020, pyfastcdc)
     cdc_min: int = 256 << 10
     cdc_max: int = 4 << 20
-    window: int = 8 << 20  # read granularity
+    window: int = 4 << 20  # read granularity
     compress_min_saving: float = 0.1  # keep a zstd frame only if it saves this fraction
 
     def to_dict(self) -> dict[str, object]:
@@ -402,7 +402,11 @@ class PackWriter:
         self.depth = self.workers + 2
         self.free: queue.Queue[_Buffer] = queue.Queue()
         tail = (params.max_pages + params.zero_min_pages + 1) * PAGE
-        self.nbuf = self.depth + params.pack_target // params.window + 4
+        # Enough windows for the reads in flight plus the open pack and a few packs being
+        # written (each pins its windows until its bytes are in the file): a pack's SHA-256 runs
+        # on one thread, so with many cores several packs must be hashed at once.
+        self.packs_in_flight = max(2, self.workers // 4)
+        self.nbuf = self.depth + (self.packs_in_flight + 1) * -(-params.pack_target // params.window) + 2
         for _ in range(self.nbuf):
             self.free.put(_Buffer(params.window + tail, self.free))
         self.inflight: collections.deque[tuple[_Buffer | None, Future[list[_Piece]]]] = collections.deque()
@@ -465,10 +469,17 @@ class PackWriter:
         return pieces
 
     def _write_pack(self, pack: _Pack) -> Descriptor:
+        def release() -> None:
+            pack.parts = []
+            for b in pack.buffers:
+                self._release(b)
+            pack.buffers = []
+
         try:
             with self.store.writer(sync=True, buffered=False) as w:
                 for part in pack.parts:
                     w.write(part)
+                release()  # the bytes are in the file: recycle the windows before the fdatasync
                 digest = w.commit()
                 desc = Descriptor(lay.MEDIA_PACK, digest, w.size)
             pack.desc = desc
@@ -476,10 +487,7 @@ class PackWriter:
                 self.on_blob(desc)
             return desc
         finally:
-            pack.parts = []
-            for b in pack.buffers:
-                self._release(b)
-            pack.buffers = []
+            release()
 
     # -- main thread -------------------------------------------------------------------------
     def _get_buffer(self) -> _Buffer:
