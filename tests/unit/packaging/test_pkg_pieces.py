@@ -367,3 +367,60 @@ def test_page_features_flag_zero_pages_exactly() -> None:
     assert zero.tolist() == [False, True, False, False, False, False, False, False]
     assert not cut[1] and not cut[3]
     assert isinstance(zero, np.ndarray)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_tiny_windows_and_packs_exercise_recycling_and_early_seals(tmp_path: Path, workers: int) -> None:
+    # windows of 16 pages and packs of 64 pages: many packs, buffers recycled hundreds of
+    # times, part of the data known from the first checkpoint, part new, part zero
+    params = PackParams(window=16 * PAGE, pack_target=64 * PAGE)
+    base = _rand(6 << 20, 101)
+    a = _checkpoint(tmp_path / "a", [(0x10000000, base)])
+    changed = bytearray(base)
+    for page in range(0, len(base) // PAGE, 7):
+        changed[page * PAGE + 1] ^= 1  # every 7th page changes
+    changed[(2 << 20):(3 << 20)] = bytes(1 << 20)
+    b = _checkpoint(tmp_path / "b", [(0x10000000, bytes(changed)), (0x40000000, base[: 1 << 20])])
+    store = OciStore(tmp_path / "s")
+    for src in (a, b):
+        with store.writing():
+            built = fmt.build_artifact(store, fmt.iter_directory(src), form="criu-dir", metadata=None, compress=False,
+                                       parent=None, pack_params=params, workers=workers)
+            store.tag(f"gs-pkg/{src.name}", fmt.Descriptor(fmt.MEDIA_OCI_MANIFEST, built.manifest_digest, built.manifest_size))
+    assert sum(d.media_type == lay.MEDIA_PACK for d in built.layers) > 10
+    assert built.config["pieces"]["deduped_pieces"] >= 8  # the 1 MiB copy of the first checkpoint's pages
+    assert built.config["pieces"]["zero_bytes"] >= 1 << 20
+    for name, src in (("a", a), ("b", b)):
+        out = api.materialize_checkpoint(tmp_path / "s", f"gs-pkg/{name}", tmp_path / f"out-{name}", form="criu-dir")
+        assert _files(out) == _files(src)
+
+
+def test_a_podman_archive_with_its_pagemap_is_cut_by_address_from_the_stream(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    pages = bytes(1 << 20) + _rand(3 << 20, 111)
+    files = {
+        "config.dump": b'{"id": "abc", "name": "web"}',
+        "spec.dump": b"{}",
+        "checkpoint/inventory.img": b"inv",
+        "checkpoint/pagemap-1.img": _pagemap(1, [(0x7F0000001000, len(pages) // PAGE, PE_PRESENT, False)]),
+        "checkpoint/pages-1.img": pages,
+    }
+    with tarfile.open(tmp_path / "export.tar", "w") as tar:
+        for name, data in files.items():
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode = len(data), 0o600
+            tar.addfile(ti, io.BytesIO(data))
+    api.store_checkpoint(tmp_path / "s", tmp_path / "export.tar", form="podman-archive", ref="gs-pkg/p")
+    store = OciStore(tmp_path / "s")
+    art = fmt.load(store, store.resolve("gs-pkg/p").digest)
+    layout = lay.layout_of(store, art)
+    va0 = 0x7F0000001000
+    for plan in layout.blobs:
+        for p in plan.placements:  # every piece ends at a 128 KiB address or the range end
+            end = va0 + p.file_offset + p.raw_length
+            assert end % (PackParams().piece_pages * PAGE) == 0 or p.file_offset + p.raw_length == len(pages)
+    assert sum(n for _, _, n in layout.zeros) >= (1 << 20) - PackParams().piece_pages * PAGE
+    out = api.materialize_checkpoint(tmp_path / "s", "gs-pkg/p", tmp_path / "out", form="criu-dir")
+    assert (out / "pages-1.img").read_bytes() == pages
