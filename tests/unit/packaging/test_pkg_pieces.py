@@ -90,6 +90,19 @@ def test_pagemap_of_a_real_criu_dump() -> None:
     assert boundaries({"pagemap-1.img": data}, "pages-2.img", 13332480) is None
 
 
+def test_pagemap_of_a_real_criu_4_2_gpu_dump() -> None:
+    # pagemap-1.img of a GPU inference server (GPT-2 large under gpusnap run, H100, CRIU 4.2.1,
+    # from the issue-12 diagnosis): 10839 entries PE_LAZY|PE_PRESENT, 423 PE_PRESENT, page
+    # counts in field 5. Its pages-8.img held 1257942 pages.
+    data = (DATA / "pagemap-criu-4.2-gpu.img").read_bytes()
+    pages_id, ranges = parse_pagemap(data)
+    assert pages_id == 8 and sum(r.nr_pages for r in ranges) == 1257942
+    assert len(ranges) > 11000 and all(r.nr_pages > 0 for r in ranges)
+    merged = merge_contiguous(ranges)
+    assert len(merged) < 0.6 * len(ranges)
+    assert boundaries({"pagemap-1.img": data}, "pages-8.img", 1257942 * PAGE) == [r.file_offset // PAGE for r in merged]
+
+
 def test_pagemap_keeps_only_entries_whose_pages_are_in_the_file() -> None:
     img = _pagemap(3, [
         (0x1000, 2, PE_PRESENT, False),
