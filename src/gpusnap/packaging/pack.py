@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import mmap
 import os
 import queue
 import threading
@@ -354,10 +355,15 @@ def known_pieces(store: OciStore, prefer: list[str] | None = None, limit: int = 
 
 # ---- the pipeline -----------------------------------------------------------------------------------
 class _Buffer:
+    """A read window; the pool of these bounds memory. A window goes back to the pool when
+    nothing refers to its bytes any more (its pieces are hashed and, if new, in a pack file)."""
+
     __slots__ = ("data", "refs", "pool")
 
     def __init__(self, size: int, pool: "queue.Queue[_Buffer]") -> None:
-        self.data = bytearray(size)
+        # An anonymous mapping, not a bytearray: it costs memory only once read into, and is
+        # given back to the system when dropped (malloc keeps freed windows in its heap).
+        self.data = mmap.mmap(-1, size)
         self.refs = 0
         self.pool = pool
 
@@ -410,7 +416,7 @@ class PackWriter:
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack")
         self.depth = self.workers + 2
-        self.free: queue.Queue[_Buffer] = queue.Queue()
+        self.free: queue.Queue[_Buffer] = queue.LifoQueue()  # reuse warm windows; cold ones never cost memory
         tail = (params.max_pages + params.zero_min_pages + 1) * PAGE
         # Enough windows for the reads in flight plus the open pack and a few packs being
         # written (each pins its windows until its bytes are in the file): a pack's SHA-256 runs
