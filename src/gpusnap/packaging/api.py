@@ -118,10 +118,11 @@ def store_checkpoint(
 
     ``encryption``: seal every layer (gpusnap.packaging.encrypted) before the tag appears; the
     plaintext blobs are then garbage-collected so only ciphertext stays at rest.
-    ``on_blob(desc)``: called from a worker thread as each blob of the artifact is complete and
-    readable through the store (packs as they are committed, then the piece table, tar layers
-    and config; see /docs/artifact-format.md). Blobs reused from earlier checkpoints are not
-    reported. Not called for encrypted stores (the plaintext blobs are not what is pushed).
+    ``on_blob(desc)``: called as each blob of the artifact is complete and readable through
+    the store (``OciStore.open_blob``): packs from a pool thread as they are committed, then the
+    tar layers, piece table and config from this thread (docs/artifact-format.md, "Format v2").
+    Blobs reused from earlier checkpoints are not reported; an exception from it fails the
+    store. Not called with ``encryption`` (the plaintext blobs are not what is pushed).
     """
     _check_form(form)
     source = Path(source)
