@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,11 +112,17 @@ def store_checkpoint(
     compress: bool = False,
     parent: str | None = None,
     encryption: EncryptionConfig | None = None,
+    on_blob: Callable[[Descriptor], None] | None = None,
 ) -> StoredCheckpoint:
     """Package a checkpoint (directory or podman archive) as an artifact tagged ``ref`` in the store.
 
     ``encryption``: seal every layer (gpusnap.packaging.encrypted) before the tag appears; the
     plaintext blobs are then garbage-collected so only ciphertext stays at rest.
+    ``on_blob(desc)``: called as each blob of the artifact is complete and readable through
+    the store (``OciStore.open_blob``): packs from a pool thread as they are committed, then the
+    tar layers, piece table and config from this thread (docs/artifact-format.md, "Format v2").
+    Blobs reused from earlier checkpoints are not reported; an exception from it fails the
+    store. Not called with ``encryption`` (the plaintext blobs are not what is pushed).
     """
     _check_form(form)
     source = Path(source)
@@ -132,7 +139,13 @@ def store_checkpoint(
     parent_digest = store.resolve(parent).digest if parent else None
     with store.writing():
         try:
-            built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest)
+            built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest,
+                                      on_blob=on_blob if encryption is None else None,
+                                      # Encrypted checkpoints keep format v1: their plaintext is
+                                      # not kept at rest, so there are no stored pieces to reference,
+                                      # and v1's content-defined blobs still encrypt to the same
+                                      # ciphertext (dedup between encrypted checkpoints).
+                                      version=2 if encryption is None else 1)
             manifest_digest, manifest_size = built.manifest_digest, built.manifest_size
             if encryption is not None:
                 from gpusnap.packaging.encrypted import encrypt_manifest
@@ -186,18 +199,45 @@ def materialize_checkpoint(store_dir: Path, ref: str, dest: Path, *, form: str, 
         return dest
     # criu-dir and docker-dir are the CRIU image directory (docker's adds nothing of its own).
     prefix = None if src_form in ("criu-dir", "docker-dir") else art.config.get("criuDir", "")
+    if art.config.get("schemaVersion", 1) >= 2:
+        return fmt.write_directory_pieced(store, art, prefix, dest)
     return fmt.write_directory(fmt.iter_tree(store, art, prefix), dest)
 
 
 def _role(media_type: str) -> str:
     base = fmt.base_media(media_type)
+    base_pieces = fmt.base_media(fmt.MEDIA_PIECES)
     return {
         fmt.MEDIA_CRIU: "criu",
         fmt.MEDIA_ENGINE: "engine",
         fmt.MEDIA_PAGES: "pages",
         fmt.MEDIA_ROOTFS: "rootfs-diff",
         fmt.MEDIA_DATA: "data",
+        fmt.MEDIA_PACK: "pack",
+        base_pieces: "pieces",
     }.get(base, "other")
+
+
+def _piece_rows(layers: list[Descriptor], layout: Any) -> list[LayerInfo]:
+    """v2: the tar layers and the piece table as they are, then one row per stored file (the
+    packs holding its pieces, the bytes it takes in them) — what v1's chunk rows showed."""
+    role_name = {"pages": "pages", "rootfs": "rootfs-diff", "data": "data"}
+    rows = [LayerInfo(d.media_type, d.digest, d.size, _role(d.media_type), d.annotations.get(fmt.A_TITLE, ""))
+            for d in layers if d.media_type != fmt.MEDIA_PACK]
+    for f in layout.files:
+        packs: dict[str, None] = {}
+        stored: set[tuple[str, int]] = set()
+        size = 0
+        for plan in layout.blobs:
+            for p in plan.placements:
+                if p.path == f.path:
+                    packs.setdefault(plan.descriptor.digest, None)
+                    if (plan.descriptor.digest, p.blob_offset) not in stored:
+                        stored.add((plan.descriptor.digest, p.blob_offset))
+                        size += p.stored_length
+        first = next(iter(packs), "")
+        rows.append(LayerInfo(fmt.MEDIA_PACK, first, size, role_name.get(f.role, f.role), f.path, len(packs)))
+    return rows
 
 
 def _layer_rows(layers: list[Descriptor]) -> list[LayerInfo]:
@@ -206,7 +246,7 @@ def _layer_rows(layers: list[Descriptor]) -> list[LayerInfo]:
     for d in layers:
         role = _role(d.media_type)
         name = d.annotations.get(fmt.A_FILE) or d.annotations.get(fmt.A_TITLE, "")
-        if fmt.is_chunk_media(d.media_type):
+        if fmt.is_chunk_media(d.media_type) or d.media_type == fmt.MEDIA_PACK:
             row = by_file.get(name)
             if row is None:
                 row = by_file[name] = LayerInfo(d.media_type, d.digest, 0, role, name, 0)
@@ -218,7 +258,8 @@ def _layer_rows(layers: list[Descriptor]) -> list[LayerInfo]:
     return rows
 
 
-def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descriptor], annotations: dict[str, str]) -> ArtifactInfo:
+def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descriptor], annotations: dict[str, str],
+               layout: Any = None) -> ArtifactInfo:
     gpusnap_meta = config.get("gpusnap") or {}
     return ArtifactInfo(
         ref=ref,
@@ -234,7 +275,7 @@ def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descr
         arch=config.get("arch", ""),
         sizes=config.get("sizes", {}),
         stored_size=sum(d.size for d in layers),
-        layers=_layer_rows(layers),
+        layers=_piece_rows(layers, layout) if layout is not None else _layer_rows(layers),
         process_tree=config.get("processTree", []),
         gpus=config.get("gpus", []) or gpusnap_meta.get("gpus", []),
         gpu_processes=config.get("processes", []) or gpusnap_meta.get("processes", []),
@@ -257,7 +298,12 @@ def inspect(store_dir: Path, ref: str, *, decryption: DecryptionKeys | None = No
         layers = [Descriptor.from_dict(x) for x in manifest.get("layers", [])]
         return _info_from(ref, desc.digest, config, layers, manifest.get("annotations", {}))
     art = fmt.load(store, desc.digest)
-    return _info_from(ref, desc.digest, art.config, art.layers, art.manifest.get("annotations", {}))
+    layout = None
+    if art.config.get("schemaVersion", 1) >= 2:
+        from gpusnap.packaging.layout import layout_of
+
+        layout = layout_of(store, art)
+    return _info_from(ref, desc.digest, art.config, art.layers, art.manifest.get("annotations", {}), layout)
 
 
 def inspect_path(path: Path, *, form: str | None = None) -> ArtifactInfo:

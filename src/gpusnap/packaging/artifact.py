@@ -35,6 +35,9 @@ import zstandard
 from gpusnap.errors import IntegrityError, NotFoundError, UsageError
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata
 from gpusnap.packaging import chunker, pstree
+from gpusnap.packaging import layout as lay
+from gpusnap.packaging import pack as packing
+from gpusnap.packaging.pagemap import PAGEMAP_NAME, ranges_of
 from gpusnap.packaging.safetar import LinkTracker, check_member
 from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, BlobWriter, Descriptor, OciStore, sha256_digest
 
@@ -55,7 +58,10 @@ A_LENGTH = "io.gpusnap.checkpoint.length"
 A_TITLE = "org.opencontainers.image.title"
 A_CREATED = "org.opencontainers.image.created"
 
-CONFIG_SCHEMA_VERSION = 1
+CONFIG_SCHEMA_VERSION = 2  # what build_artifact writes; load() reads 1 and 2
+READABLE_SCHEMAS = (1, 2)
+MEDIA_PACK = lay.MEDIA_PACK
+MEDIA_PIECES = lay.MEDIA_PIECES
 PODMAN_CRIU_DIR = "checkpoint"
 PODMAN_ROOTFS_DIFF = "rootfs-diff.tar"
 _PAGES_RE = re.compile(r"^pages-\d+\.img$")
@@ -74,7 +80,13 @@ def base_media(media_type: str) -> str:
 
 
 def is_chunk_media(media_type: str) -> bool:
+    """A v1 chunk layer (one piece of one file per blob)."""
     return base_media(media_type) in (MEDIA_PAGES, MEDIA_ROOTFS, MEDIA_DATA)
+
+
+def is_data_media(media_type: str) -> bool:
+    """A layer holding file data: v1 chunk, v2 pack or v2 piece table."""
+    return is_chunk_media(media_type) or media_type in (MEDIA_PACK, MEDIA_PIECES)
 
 
 def _compressor() -> zstandard.ZstdCompressor:
@@ -238,30 +250,60 @@ def build_artifact(
     compress: bool,
     parent: str | None,
     params: chunker.ChunkParams = chunker.ChunkParams(),
+    version: int = CONFIG_SCHEMA_VERSION,
+    pack_params: packing.PackParams = packing.PackParams(),
+    on_blob: Callable[[Descriptor], None] | None = None,
+    workers: int | None = None,
 ) -> BuildResult:
-    """Write every layer and the config into ``store``; returns the manifest (already stored)."""
+    """Write every layer and the config into ``store``; returns the manifest (already stored).
+
+    ``version`` 2 (default): pieces packed into blobs (pack.py), deduplicated against the
+    pieces of the checkpoints already in ``store`` (the parent's first). 1: the older layout,
+    one blob per content-defined chunk group (kept for tests of older artifacts).
+    ``on_blob``: called with each blob's descriptor as soon as the blob is complete.
+    """
+    if version not in READABLE_SCHEMAS:
+        raise UsageError(f"artifact format version {version} is unknown; use 1 or 2")
     criu = _LayerSink(store, MEDIA_CRIU, compress)
     engine: _LayerSink | None = None
     chunk_layers: list[Descriptor] = []
     col = _Collected()
     new_bytes = 0
-    zc = _compressor() if compress else None
+    zc = _compressor() if compress and version == 1 else None
+    writer: packing.PackWriter | None = None
+    pagemaps: dict[str, bytes] = {}
+    if version == 2:
+        known = packing.known_pieces(store, [parent] if parent else None)
+        writer = packing.PackWriter(store, compress=compress, params=pack_params, known=known, on_blob=on_blob, workers=workers)
     try:
         for entry in entries:
             role = classify(entry, form)
             if role in ("pages", "rootfs", "data"):
-                media = {"pages": MEDIA_PAGES, "rootfs": MEDIA_ROOTFS, "data": MEDIA_DATA}[role] + (ZSTD_SUFFIX if compress else "")
-                offset = 0
                 assert entry.stream is not None
-                for group in chunker.groups(chunker.chunks(entry.stream, params, entry.info.size), params):
-                    raw_len = len(group)
-                    blob = zc.compress(group) if zc else bytes(group)
-                    digest = sha256_digest(blob)
-                    if not store.has_blob(digest):  # dedup before any write
-                        store.put_bytes(blob, digest)
-                        new_bytes += len(blob)
-                    chunk_layers.append(Descriptor(media, digest, len(blob), {A_FILE: entry.name, A_OFFSET: str(offset), A_LENGTH: str(raw_len)}))
-                    offset += raw_len
+                if writer is not None:
+                    index = len(col.files)
+                    if role == "pages":
+                        base = entry.name.rsplit("/", 1)[-1]
+                        ranges = ranges_of(pagemaps, base, entry.info.size)
+                        raw = getattr(entry.stream, "raw", None)
+                        if ranges and pack_params.cut == "vaddr" and isinstance(raw, io.FileIO):
+                            offset = writer.add_pages_fd(index, raw.fileno(), entry.info.size, ranges)  # a directory's file
+                        else:
+                            offset = writer.add_pages(index, entry.stream, entry.info.size, ranges)
+                    else:
+                        offset = writer.add_cdc(index, entry.stream, entry.info.size)
+                else:
+                    media = {"pages": MEDIA_PAGES, "rootfs": MEDIA_ROOTFS, "data": MEDIA_DATA}[role] + (ZSTD_SUFFIX if compress else "")
+                    offset = 0
+                    for group in chunker.groups(chunker.chunks(entry.stream, params, entry.info.size), params):
+                        raw_len = len(group)
+                        blob = zc.compress(group) if zc else bytes(group)
+                        digest = sha256_digest(blob)
+                        if not store.has_blob(digest):  # dedup before any write
+                            store.put_bytes(blob, digest)
+                            new_bytes += len(blob)
+                        chunk_layers.append(Descriptor(media, digest, len(blob), {A_FILE: entry.name, A_OFFSET: str(offset), A_LENGTH: str(raw_len)}))
+                        offset += raw_len
                 if offset != entry.info.size:
                     raise IntegrityError(f"{entry.name}: read {offset} bytes, expected {entry.info.size}; the file changed while being stored")
                 col.sizes[{"pages": "pages", "rootfs": "rootfsDiff", "data": "data"}[role]] += offset
@@ -272,7 +314,8 @@ def build_artifact(
             base = entry.name.rsplit("/", 1)[-1]
             inside = _under(entry.name, criu_prefix(form))
             tee = None
-            if entry.stream is not None and _KEEP.match(base) and entry.info.size <= _KEEP_LIMIT and inside is not None and "/" not in inside:
+            top = inside is not None and "/" not in inside
+            if entry.stream is not None and top and entry.info.size <= _KEEP_LIMIT and (_KEEP.match(base) or PAGEMAP_NAME.match(base)):
                 tee = _TeeReader(entry.stream)
                 entry = Entry(entry.name, entry.info, tee)  # type: ignore[arg-type]
             elif entry.stream is not None and form == "podman-archive" and entry.name in ("config.dump", "spec.dump") and entry.info.size <= _KEEP_LIMIT:
@@ -286,29 +329,61 @@ def build_artifact(
                 engine.add(entry)
             col.sizes[role] += entry.info.size if entry.info.isreg() else 0
             if tee is not None:
-                col.keep[base if inside is not None else entry.name] = bytes(tee.buf)
+                if PAGEMAP_NAME.match(base) and top:
+                    pagemaps[base] = bytes(tee.buf)
+                else:
+                    col.keep[base if inside is not None else entry.name] = bytes(tee.buf)
         layers = [criu.finish()]
         if engine is not None:
             layers.append(engine.finish())
+        packed = writer.finish() if writer is not None else None
     except BaseException:
         criu.abort()
         if engine is not None:
             engine.abort()
+        if writer is not None:
+            writer.abort()
         raise
     layers[0] = Descriptor(layers[0].media_type, layers[0].digest, layers[0].size, {A_TITLE: "criu.tar"})
     if len(layers) > 1:
         layers[1] = Descriptor(layers[1].media_type, layers[1].digest, layers[1].size, {A_TITLE: "engine.tar"})
-    if criu_count(criu) == 0 and not chunk_layers:
+    if criu_count(criu) == 0 and not col.files:
         raise UsageError(f"no checkpoint files found for form {form}; check the path and --form")
+    for d in layers:
+        if on_blob is not None:
+            on_blob(d)
+    chunking: dict[str, Any] = params.to_dict()
+    if packed is not None:
+        new_bytes = packed.new_bytes
+        first_pack = len(layers) + 1
+        index = {p.digest: first_pack + i for i, p in enumerate(packed.packs)}
+        table = lay.encode_table(
+            (fo, bo, fi, lay.NO_LAYER if blob is None else index[blob.digest], raw, stored, flags, sha)
+            for blob, fo, bo, fi, raw, stored, flags, sha in packed.records
+        )
+        table_digest = store.put_bytes(table)
+        table_desc = Descriptor(MEDIA_PIECES, table_digest, len(table), {A_TITLE: "pieces"})
+        if on_blob is not None:
+            on_blob(table_desc)
+        layers.append(table_desc)
+        layers.extend(packed.packs)
+        chunking = pack_params.to_dict()
     layers.extend(chunk_layers)
     config = make_config(form, col, metadata, compress, parent, params)
+    config["schemaVersion"] = version
+    config["chunking"] = chunking
+    if packed is not None:
+        config["pieces"] = {k: v for k, v in packed.stats.items()}
     config_bytes = json.dumps(config, indent=1, sort_keys=True).encode()
     config_digest = store.put_bytes(config_bytes)
+    config_desc = Descriptor(MEDIA_CONFIG, config_digest, len(config_bytes))
+    if on_blob is not None:
+        on_blob(config_desc)
     manifest = {
         "schemaVersion": 2,
         "mediaType": MEDIA_OCI_MANIFEST,
         "artifactType": ARTIFACT_TYPE,
-        "config": Descriptor(MEDIA_CONFIG, config_digest, len(config_bytes)).to_dict(),
+        "config": config_desc.to_dict(),
         "layers": [d.to_dict() for d in layers],
         "annotations": manifest_annotations(config),
     }
@@ -429,7 +504,7 @@ def load(store: OciStore, digest: str) -> LoadedArtifact:
         config = None
     if not isinstance(config, dict):
         raise IntegrityError(f"checkpoint config {cfg_desc.digest} is not a JSON object; the artifact is corrupt")
-    if config.get("schemaVersion") != CONFIG_SCHEMA_VERSION:
+    if config.get("schemaVersion") not in READABLE_SCHEMAS:
         raise UsageError(f"checkpoint config schema {config.get('schemaVersion')} is not supported by this gpusnap; upgrade gpusnap")
     return LoadedArtifact(digest, manifest, config, [Descriptor.from_dict(x) for x in manifest.get("layers", [])])
 
@@ -539,6 +614,9 @@ def iter_tree(store: OciStore, art: LoadedArtifact, prefix: str | None) -> Itera
                         continue
                     m.name = name
                     yield m, tar.extractfile(m) if m.isreg() else None
+    if art.config.get("schemaVersion", 1) >= 2:
+        yield from _iter_pieced_files(store, art, prefix)
+        return
     groups = _chunk_groups(art)
     for f in art.config.get("files", []):
         name = _target_name(f["path"], prefix)
@@ -553,6 +631,137 @@ def iter_tree(store: OciStore, art: LoadedArtifact, prefix: str | None) -> Itera
             raise IntegrityError(f"checkpoint config lists a malformed file entry {str(f)[:100]}; the artifact is corrupt") from None
         ti.name = name
         yield ti, io.BufferedReader(_ChunkReader(store, chunks), 1 << 20)
+
+
+class _PiecedFileReader(io.RawIOBase):
+    """The bytes of one v2 file in file order: pieces read from their packs, verified; zeros."""
+
+    def __init__(self, store: OciStore, parts: list[tuple[int, int, lay.Placement | None, Descriptor | None]]) -> None:
+        self._store = store
+        self._todo = parts  # (file_offset, raw_length, placement or None for zeros, blob)
+        self._i = 0
+        self._buf = memoryview(b"")
+        self._files: dict[str, IO[bytes]] = {}
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self._buf and self._i < len(self._todo):
+            _, length, p, blob = self._todo[self._i]
+            self._i += 1
+            if p is None or blob is None:
+                self._buf = memoryview(bytes(length))
+                continue
+            f = self._files.get(blob.digest)
+            if f is None:
+                f = self._files[blob.digest] = self._store.open_blob(blob.digest)
+            stored = os.pread(f.fileno(), p.stored_length, p.blob_offset)
+            self._buf = memoryview(lay.piece_bytes(p, stored)).cast("B")
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+        super().close()
+
+
+def _iter_pieced_files(store: OciStore, art: LoadedArtifact, prefix: str | None) -> Iterator[tuple[tarfile.TarInfo, IO[bytes] | None]]:
+    layout = lay.layout_of(store, art)
+    parts: dict[str, list[tuple[int, int, lay.Placement | None, Descriptor | None]]] = {f.path: [] for f in layout.files}
+    for plan in layout.blobs:
+        for p in plan.placements:
+            parts[p.path].append((p.file_offset, p.raw_length, p, plan.descriptor))
+    for path, off, length in layout.zeros:
+        parts[path].append((off, length, None, None))
+    for f in layout.files:
+        name = _target_name(f.path, prefix)
+        if name is None:
+            continue
+        ti = tarfile.TarInfo(name)
+        ti.size, ti.mode, ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = f.size, f.mode, f.mtime, f.uid, f.gid, f.uname, f.gname
+        todo = sorted(parts[f.path], key=lambda x: x[0])
+        yield ti, io.BufferedReader(_PiecedFileReader(store, todo), 1 << 20)
+
+
+def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | None, dest: Path, workers: int | None = None) -> Path:
+    """Materialize a v2 artifact as a directory: tar layers extracted, then every pack blob
+    read once, on a thread pool, its pieces verified and pwritten at their offsets (zero runs
+    stay holes). Built beside ``dest`` and renamed into place."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    layout = lay.layout_of(store, art)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UsageError(f"{dest} already exists and is not an empty directory; choose a new path")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
+    fds: dict[str, int] = {}
+    try:
+        for d in layout.tar_layers:
+            with _layer_stream(store, d) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+                for m in tar:
+                    name = _target_name(check_member(m, what=f"layer {d.digest}"), prefix)
+                    if name is None or name == ".":
+                        continue
+                    m.name = name
+                    _write_entry(tmp, m, tar.extractfile(m) if m.isreg() else None)
+        infos: list[tarfile.TarInfo] = []
+        for f in layout.files:
+            name = _target_name(f.path, prefix)
+            if name is None:
+                continue
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode, ti.mtime, ti.uid, ti.gid = f.size, f.mode, f.mtime, f.uid, f.gid
+            path = _checked_path(tmp, ti)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fds[f.path] = fd
+            os.ftruncate(fd, f.size)
+            infos.append(ti)
+
+        def place(plan: lay.BlobPlan) -> int:
+            wanted = [p for p in plan.placements if p.path in fds]
+            if not wanted:
+                return 0
+            with store.open_blob(plan.descriptor.digest) as blob:
+                return lay.place_stream(lay.BlobPlan(plan.descriptor, wanted), blob, fds.__getitem__)
+
+        n = max(1, workers or os.cpu_count() or 1)
+        with ThreadPoolExecutor(n, thread_name_prefix="gpusnap-place") as pool:
+            for _ in pool.map(place, layout.blobs):
+                pass
+        for fd in fds.values():
+            os.close(fd)
+        fds = {}
+        for ti in infos:
+            path = tmp / ti.name
+            os.chmod(path, ti.mode & 0o777)
+            if os.geteuid() == 0:
+                os.chown(path, ti.uid, ti.gid)
+            os.utime(path, (ti.mtime, ti.mtime))
+        if dest.exists():
+            dest.rmdir()
+        os.replace(tmp, dest)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _checked_path(root: Path, info: tarfile.TarInfo) -> Path:
+    name = check_member(info, what="checkpoint")
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    real_root = os.path.realpath(root)
+    parent = os.path.realpath(path.parent)
+    if parent != real_root and not parent.startswith(real_root + os.sep):
+        raise IntegrityError(f"checkpoint entry {info.name!r} would be written outside the destination through a symlink; refusing it")
+    return path
 
 
 def write_directory(entries: Iterator[tuple[tarfile.TarInfo, IO[bytes] | None]], dest: Path) -> Path:

@@ -300,6 +300,12 @@ class OciStore:
             if digest in self._pending:
                 path.unlink()
             else:
+                # Named after its digest (plus the writer's own tag, so two writers never
+                # share a file) so that another OciStore of the same root — e.g. an upload
+                # started from store_checkpoint's on_blob — can open it before publish.
+                named = path.with_name(f"{digest.split(':', 1)[1]}.{path.name}.pending")
+                os.replace(path, named)
+                path = named
                 self._pending[digest] = path
                 if not durable:
                     self._unsynced.add(digest)
@@ -356,10 +362,17 @@ class OciStore:
         return data
 
     def open_blob(self, digest: str) -> IO[bytes]:
+        """The blob's bytes; also a blob another writer of this store committed but has not
+        published yet (it is whole and verified; only not yet referenced by a tag)."""
         path = self.blob_path(digest)
         try:
             return open(path, "rb")
         except FileNotFoundError:
+            for pending in self.ingest_dir.glob(f"{digest.split(':', 1)[1]}.*.pending"):
+                try:
+                    return open(pending, "rb")
+                except FileNotFoundError:
+                    continue
             raise NotFoundError(f"blob {digest} is not in the store {self.root}; pull the checkpoint again") from None
 
     # ---- locks --------------------------------------------------------------------------------

@@ -48,15 +48,13 @@ def test_manifest_shape_and_annotations(tmp_path: Path) -> None:
     assert a["org.criu.checkpoint.container.name"] == "gs-pkg-c"
     assert a["org.criu.checkpoint.criu.version"] == "4.1.1"
     assert a["org.criu.checkpoint.engine.name"] == "runc"
-    kinds = [fmt.base_media(x["mediaType"]) for x in m["layers"]]
-    assert kinds[0] == fmt.MEDIA_CRIU and kinds.count(fmt.MEDIA_PAGES) >= 1
-    offsets = [int(x["annotations"][fmt.A_OFFSET]) for x in m["layers"] if x["annotations"].get(fmt.A_FILE) == "pages-1.img"]
-    assert offsets == sorted(offsets) and offsets[0] == 0
+    kinds = [x["mediaType"] for x in m["layers"]]
+    assert fmt.base_media(kinds[0]) == fmt.MEDIA_CRIU and kinds[1] == fmt.MEDIA_PIECES and kinds.count(fmt.MEDIA_PACK) >= 1
     config = json.loads(s.read_bytes(m["config"]["digest"]))
     assert config["gpus"][0]["uuid"] == "GPU-1" and config["processes"][0]["gpu_memory_bytes"] == 5 << 20
     assert config["sizes"]["pages"] == 6 << 20
     assert config["timings"] == [{"step": "lock", "seconds": 0.1}, {"step": "dump", "seconds": 0.2}]
-    assert config["chunking"]["algorithm"] == "fastcdc-2020"
+    assert config["schemaVersion"] == 2 and config["chunking"]["scheme"] == "pagemap-pages-v2"
 
 
 @pytest.mark.parametrize("compress", [False, True])
@@ -116,7 +114,8 @@ def test_podman_archive_round_trip(tmp_path: Path, compression: str) -> None:
     info = api.inspect(tmp_path / "s", stored.ref)
     assert info.engine["name"] == "podman" and info.container == {"id": "abc123", "name": "gs-pkg-web"}
     assert info.image["name"] == "localhost/gpusnap-busybox:latest" and info.created == "2026-11-22T01:00:00Z"
-    assert {la.role for la in info.layers} >= {"criu", "engine", "pages", "rootfs-diff"}
+    assert {la.role for la in info.layers} >= {"criu", "engine", "pieces", "pages", "rootfs-diff"}
+    assert info.sizes["pages"] == 3 << 20 and info.sizes["rootfsDiff"] == 2 << 20
     for name in ("out.tar.zst", "out.tar.gz", "out.tar"):
         out = api.materialize_checkpoint(tmp_path / "s", stored.ref, tmp_path / name, form="podman-archive")
         assert _archive_files(out) == _archive_files(src)

@@ -1,0 +1,310 @@
+"""Where every byte of a checkpoint artifact lies: blob → placements in the checkpoint's files.
+
+The one view of an artifact (format v1 or v2) that readers need to rebuild the checkpoint tree
+without going through the local store: for each blob, which byte ranges of it go to which offset
+of which file, how long they are stored and raw, whether they are a zstd frame, and the SHA-256
+of their raw bytes (v2) for verification as they land. ``pull`` straight into an image directory
+and ``materialize`` both work from this.
+
+v1 (docs/artifact-format.md, "v1 chunk layers"): every chunk layer is one placement at blob
+offset 0 covering the whole blob; its digest is the blob digest (no per-piece digest).
+v2 ("packed pieces"): a piece table blob lists every piece of every chunked file; pieces are
+stored in pack blobs, several pieces per blob, each piece raw or one zstd frame.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+
+from gpusnap.errors import IntegrityError
+from gpusnap.packaging.store import Descriptor
+
+# Media types of format v2 (v1's are in artifact.py and stay readable).
+MEDIA_PACK = "application/vnd.gpusnap.checkpoint.pack.v2"
+MEDIA_PIECES = "application/vnd.gpusnap.checkpoint.pieces.v2+zstd"
+MEDIA_CRIU = "application/vnd.gpusnap.checkpoint.criu.v1.tar"
+MEDIA_ENGINE = "application/vnd.gpusnap.checkpoint.engine.v1.tar"
+_V1_CHUNK = (
+    "application/vnd.gpusnap.checkpoint.pages.v1.chunk",
+    "application/vnd.gpusnap.checkpoint.rootfs-diff.v1.chunk",
+    "application/vnd.gpusnap.checkpoint.data.v1.chunk",
+)
+ZSTD_SUFFIX = "+zstd"
+A_FILE = "io.gpusnap.checkpoint.file"
+A_OFFSET = "io.gpusnap.checkpoint.offset"
+A_LENGTH = "io.gpusnap.checkpoint.length"
+
+# Piece table (the MEDIA_PIECES blob, zstd-decompressed): header then fixed-size records.
+TABLE_MAGIC = b"GSPIECE2"
+_HEADER = struct.Struct("<8sII")  # magic, record count, record size
+# file_offset, blob_offset, file index (into config "files"), layer index (into manifest
+# "layers"; NO_LAYER for a zero piece), raw length, stored length, flags, reserved, sha256(raw)
+RECORD = struct.Struct("<QQIIIIII32s")
+NO_LAYER = 0xFFFFFFFF
+FLAG_ZSTD = 1
+FLAG_ZERO = 2
+MAX_PIECE = 16 << 20  # no v2 piece is larger; a table claiming more is rejected
+MAX_TABLE = 512 << 20
+
+
+def base_media(media_type: str) -> str:
+    return media_type[: -len(ZSTD_SUFFIX)] if media_type.endswith(ZSTD_SUFFIX) else media_type
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of the checkpoint tree that is stored in pieces (not in a tar layer)."""
+
+    path: str  # relative to the tree root (podman: CRIU images under "checkpoint/")
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    uname: str
+    gname: str
+    mtime: int
+    role: str  # pages | rootfs | data
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``stored_length`` bytes at ``blob_offset`` of a blob give ``raw_length`` bytes at
+    ``file_offset`` of ``path`` (zstd-decompressed first when ``compressed``)."""
+
+    path: str
+    file_offset: int
+    blob_offset: int
+    stored_length: int
+    raw_length: int
+    compressed: bool
+    sha256: bytes | None  # raw bytes' SHA-256 (32 bytes); None in v1 (the blob digest covers it)
+
+
+@dataclass
+class BlobPlan:
+    descriptor: Descriptor
+    placements: list[Placement]  # sorted by blob_offset; one stored range may feed several placements
+
+
+@dataclass
+class Layout:
+    version: int  # 1 or 2
+    files: list[FileEntry]
+    blobs: list[BlobPlan]  # every blob holding file data, manifest order
+    tar_layers: list[Descriptor]  # criu/engine tar layers to extract (same in v1 and v2)
+    zeros: list[tuple[str, int, int]] = field(default_factory=list)  # (path, offset, length): leave a hole
+    criu_dir: str = ""  # the CRIU image directory inside the tree ("checkpoint" for podman)
+    pieces_layer: Descriptor | None = None  # v2: the piece table blob
+
+    def file(self, path: str) -> FileEntry:
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(path)
+
+
+def _file_entries(config: dict[str, Any]) -> list[FileEntry]:
+    out = []
+    for f in config.get("files", []):
+        try:
+            out.append(FileEntry(str(f["path"]), int(f["size"]), int(f["mode"]), int(f["uid"]), int(f["gid"]),
+                                 str(f.get("uname", "")), str(f.get("gname", "")), int(f["mtime"]), str(f.get("role", "data"))))
+        except (KeyError, TypeError, ValueError):
+            raise IntegrityError(f"checkpoint config lists a malformed file entry {str(f)[:100]}; the artifact is corrupt") from None
+        if out[-1].size < 0 or out[-1].path.startswith("/") or ".." in out[-1].path.split("/"):
+            raise IntegrityError(f"checkpoint config lists a bad file entry {out[-1].path!r}; the artifact is corrupt")
+    return out
+
+
+def encode_table(records: Iterable[tuple[int, int, int, int, int, int, int, bytes]]) -> bytes:
+    """Records (file_offset, blob_offset, file, layer, raw, stored, flags, sha256) → compressed table."""
+    body = bytearray()
+    n = 0
+    for r in records:
+        body += RECORD.pack(r[0], r[1], r[2], r[3], r[4], r[5], r[6], 0, r[7])
+        n += 1
+    raw = _HEADER.pack(TABLE_MAGIC, n, RECORD.size) + bytes(body)
+    return zstandard.ZstdCompressor(level=3).compress(raw)
+
+
+def decode_table(data: bytes) -> list[tuple[int, int, int, int, int, int, int, bytes]]:
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_TABLE)
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"piece table is not a zstd frame ({exc}); the artifact is corrupt") from None
+    if len(raw) < _HEADER.size:
+        raise IntegrityError("piece table is truncated; the artifact is corrupt")
+    magic, n, size = _HEADER.unpack_from(raw)
+    if magic != TABLE_MAGIC or size != RECORD.size or len(raw) != _HEADER.size + n * size:
+        raise IntegrityError("piece table header does not match its content; the artifact is corrupt")
+    return [(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[8]) for r in RECORD.iter_unpack(memoryview(raw)[_HEADER.size:])]
+
+
+def layout_from_parts(manifest: dict[str, Any], config: dict[str, Any], read_blob: Callable[[Descriptor], bytes]) -> Layout:
+    """The layout of an artifact from its manifest and config.
+
+    ``read_blob(desc)`` returns the verified bytes of a small blob; it is called once, for the
+    v2 piece table (a few MB per 20 GB), never for v1.
+    """
+    layers = [Descriptor.from_dict(x) for x in manifest.get("layers", [])]
+    files = _file_entries(config)
+    version = int(config.get("schemaVersion", 1))
+    criu_dir = str(config.get("criuDir", ""))
+    tars = [d for d in layers if base_media(d.media_type) in (MEDIA_CRIU, MEDIA_ENGINE)]
+    if version == 1:
+        return _layout_v1(layers, files, tars, criu_dir)
+    if version != 2:
+        raise IntegrityError(f"checkpoint config schema {version} has no known layout; upgrade gpusnap")
+    tables = [d for d in layers if d.media_type == MEDIA_PIECES]
+    if len(tables) != 1:
+        raise IntegrityError(f"a v2 checkpoint needs exactly one piece table layer, found {len(tables)}; the artifact is corrupt")
+    records = decode_table(read_blob(tables[0]))
+    plans: dict[int, BlobPlan] = {}
+    zeros: list[tuple[str, int, int]] = []
+    expect = [0] * len(files)
+    for fo, bo, fi, li, raw, stored, flags, digest in records:
+        if fi >= len(files) or fo != expect[fi] or raw <= 0 or raw > MAX_PIECE and not flags & FLAG_ZERO:
+            raise IntegrityError(f"piece table entry (file {fi}, offset {fo}) is out of order or malformed; the artifact is corrupt")
+        expect[fi] = fo + raw
+        path = files[fi].path
+        if flags & FLAG_ZERO:
+            zeros.append((path, fo, raw))
+            continue
+        if li >= len(layers) or layers[li].media_type != MEDIA_PACK or bo + stored > layers[li].size or stored > MAX_PIECE:
+            raise IntegrityError(f"piece of {path} at {fo} points outside its pack blob; the artifact is corrupt")
+        plan = plans.get(li)
+        if plan is None:
+            plan = plans[li] = BlobPlan(layers[li], [])
+        plan.placements.append(Placement(path, fo, bo, stored, raw, bool(flags & FLAG_ZSTD), digest))
+    for f, n in zip(files, expect):
+        if n != f.size:
+            raise IntegrityError(f"{f.path}: pieces cover {n} of {f.size} bytes; the artifact is corrupt")
+    blobs = [plans[i] for i in sorted(plans)]
+    for p in blobs:
+        p.placements.sort(key=lambda x: (x.blob_offset, x.path, x.file_offset))
+    return Layout(2, files, blobs, tars, zeros, criu_dir, tables[0])
+
+
+def _layout_v1(layers: list[Descriptor], files: list[FileEntry], tars: list[Descriptor], criu_dir: str) -> Layout:
+    known = {f.path for f in files}
+    covered: dict[str, int] = {}
+    blobs = []
+    for d in layers:
+        if base_media(d.media_type) not in _V1_CHUNK:
+            continue
+        path = d.annotations.get(A_FILE)
+        if not path or path not in known:
+            raise IntegrityError(f"chunk layer {d.digest} names no file of the config; the artifact is corrupt")
+        try:
+            off, length = int(d.annotations.get(A_OFFSET, "0")), int(d.annotations[A_LENGTH])
+        except (KeyError, ValueError):
+            raise IntegrityError(f"chunk layer {d.digest} lacks offset/length; the artifact is corrupt") from None
+        covered[path] = covered.get(path, 0) + length
+        blobs.append(BlobPlan(d, [Placement(path, off, 0, d.size, length, d.media_type.endswith(ZSTD_SUFFIX), None)]))
+    for f in files:
+        if covered.get(f.path, 0) != f.size:
+            raise IntegrityError(f"{f.path}: chunks do not add up to {f.size} bytes; the artifact is corrupt")
+    return Layout(1, files, blobs, tars, [], criu_dir)
+
+
+def layout_of(store: Any, art: Any) -> Layout:
+    """The layout of a loaded artifact (``artifact.load``) in an :class:`OciStore`."""
+    return layout_from_parts(art.manifest, art.config, lambda d: store.read_bytes(d.digest, limit=MAX_TABLE))
+
+
+def target_path(path: str, prefix: str | None) -> str | None:
+    """Where a tree path goes in the output: ``prefix`` is the CRIU dir to strip (None keeps the
+    whole tree). None: the file is not part of the output (e.g. podman's engine files for a
+    CRIU image directory)."""
+    if prefix is None or not prefix:
+        return path
+    if path.startswith(prefix + "/"):
+        return path[len(prefix) + 1:]
+    return None
+
+
+# ---- turning stored bytes into file bytes, verified ---------------------------------------------
+_dctx = zstandard.ZstdDecompressor  # one per call: ZstdDecompressor objects are not thread-safe
+
+
+def piece_bytes(p: Placement, stored: bytes | bytearray | memoryview) -> bytes | memoryview:
+    """The raw bytes of a placement from its stored bytes, checked against length and SHA-256.
+
+    Raises :class:`IntegrityError` on any mismatch. v1 placements (``sha256`` None) are checked
+    only for length: their blob digest is what verifies them.
+    """
+    if len(stored) != p.stored_length:
+        raise IntegrityError(f"{p.path} at {p.file_offset}: got {len(stored)} stored bytes, expected {p.stored_length}")
+    if p.compressed:
+        try:
+            raw: bytes | memoryview = _dctx().decompress(stored, max_output_size=p.raw_length)
+        except zstandard.ZstdError as exc:
+            raise IntegrityError(f"{p.path} at {p.file_offset}: piece does not decompress ({exc}); the blob is corrupt") from None
+    else:
+        raw = memoryview(stored)
+    if len(raw) != p.raw_length:
+        raise IntegrityError(f"{p.path} at {p.file_offset}: piece holds {len(raw)} bytes, expected {p.raw_length}; the blob is corrupt")
+    if p.sha256 is not None and hashlib.sha256(raw).digest() != p.sha256:
+        raise IntegrityError(f"{p.path} at {p.file_offset}: piece digest mismatch; the blob is corrupt — pull the checkpoint again")
+    return raw
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError("short pwrite")
+        view = view[n:]
+        offset += n
+
+
+def _read_exact(stream: Any, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = stream.readinto(buf[got:])
+        if not n:
+            raise IntegrityError(f"blob ended {len(buf) - got} bytes early; the transfer or the blob is truncated")
+        got += n
+
+
+def place_stream(plan: BlobPlan, stream: Any, fd_for: Callable[[str], int]) -> int:
+    """Read one blob sequentially from ``stream`` (anything with ``readinto``) and pwrite each of
+    its placements, verified, into ``fd_for(path)`` at its offset. Bytes no placement needs
+    (pieces of an older checkpoint sharing the pack) are read and dropped. Returns the raw bytes
+    written. The stream must start at blob offset 0; it is read up to the last placement only.
+    """
+    pos = 0
+    last: tuple[int, int, bytes | memoryview] | None = None  # (blob_offset, stored_length, raw) of the last piece
+    skip = bytearray(1 << 20)
+    scratch = bytearray(1 << 20)  # reused: a fresh buffer per piece costs an mmap and page faults
+    written = 0
+    for p in plan.placements:
+        if last is not None and (p.blob_offset, p.stored_length) == last[:2]:
+            raw = last[2]  # the same stored piece feeds another place (duplicate content)
+            if p.sha256 is not None and len(raw) != p.raw_length:
+                raise IntegrityError(f"{p.path} at {p.file_offset}: duplicate placement disagrees on length; the artifact is corrupt")
+        else:
+            if p.blob_offset < pos:
+                raise IntegrityError(f"blob {plan.descriptor.digest}: overlapping placements; the artifact is corrupt")
+            while pos < p.blob_offset:
+                n = min(len(skip), p.blob_offset - pos)
+                _read_exact(stream, memoryview(skip)[:n])
+                pos += n
+            if len(scratch) < p.stored_length:
+                scratch = bytearray(p.stored_length)
+            data = memoryview(scratch)[: p.stored_length]
+            _read_exact(stream, data)
+            pos += p.stored_length
+            raw = piece_bytes(p, data)  # valid until the next read: duplicates follow at once (sorted)
+            last = (p.blob_offset, p.stored_length, raw)
+        pwrite_all(fd_for(p.path), raw, p.file_offset)
+        written += p.raw_length
+    return written

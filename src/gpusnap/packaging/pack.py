@@ -1,0 +1,742 @@
+"""Format v2 writer: checkpoint files → content-keyed pieces packed into blobs, on a worker pool.
+
+Pieces (docs/artifact-format.md, "Format v2"):
+
+* ``pages-N.img``: cut at page granularity. A cut is forced where the pagemap says a new memory
+  range starts (mappings that continue each other in memory are one range); inside a range a
+  piece ends after a page whose sampled hash is 0 mod ``divisor`` (at least ``min_pages``, at
+  most ``max_pages``), so a buffer that moved to another address or another place in the file
+  still yields the same pieces. Runs of ``zero_min_pages`` or more all-zero pages are zero
+  pieces: recorded, never stored. No rolling hash runs over the bytes: the per-page hash reads
+  16 words of each page (numpy, vectorised, releases the GIL).
+* other large files (podman's rootfs-diff.tar, data files): FastCDC (byte shifts are common
+  there), smaller pieces than v1's so they pack well.
+
+Each piece is hashed (SHA-256 of its raw bytes) and, when compression is asked for and pays,
+compressed to one zstd frame, on a thread pool sized to the cores: hashlib and zstandard release
+the GIL on large buffers. A piece the store already holds (from any recent checkpoint) is
+referenced where it lies — pack blob + offset — instead of being written again; new pieces are
+appended to the open pack, and a pack is written, hashed and committed on the pool once it
+reaches ``pack_target`` bytes. Reads go into a fixed pool of window buffers with ``readinto``;
+pieces are memoryviews into them (no copy) until their pack is written, so memory stays bounded
+whatever the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import numpy as np
+import zstandard
+from pyfastcdc import FastCDC
+
+from gpusnap.errors import IntegrityError
+from gpusnap.packaging import layout as lay
+from gpusnap.packaging.store import Descriptor, OciStore
+
+PAGE = 4096
+_WORDS = PAGE // 8
+_SAMPLE_STRIDE = 32  # words: 16 samples per page, one per 256 bytes
+# Odd 64-bit multipliers (arbitrary, fixed: part of the format through the cut decisions).
+_K = np.array([
+    0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
+    0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x94D049BB133111EB, 0xBF58476D1CE4E5B9,
+    0x2545F4914F6CDD1D, 0x9FB21C651E98DF25, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB,
+    0x8EBC6AF09C88C6E3, 0x589965CC75374CC3, 0x1D8E4E27C47D124F, 0x5851F42D4C957F2D,
+], dtype=np.uint64)
+SCHEME = "pagemap-pages-v2"
+
+
+@dataclass(frozen=True)
+class PackParams:
+    cut: str = "vaddr"  # "vaddr": AlignedCutter; "cdc": page-level CDC also where the pagemap is known
+    piece_pages: int = 32  # 128 KiB: pages pieces end at virtual addresses that are multiples of it
+    # page-level CDC, for pages files whose pagemap is unknown
+    min_pages: int = 4  # 16 KiB
+    max_pages: int = 128  # 512 KiB
+    divisor: int = 32  # average data piece ~36 pages (~144 KiB)
+    zero_min_pages: int = 16  # shorter zero runs stay inside data pieces
+    pack_target: int = 32 << 20
+    cdc_avg: int = 1 << 20  # other large files (FastCDC 2020, pyfastcdc)
+    cdc_min: int = 256 << 10
+    cdc_max: int = 4 << 20
+    window: int = 4 << 20  # read granularity
+    compress_min_saving: float = 0.1  # keep a zstd frame only if it saves this fraction
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "scheme": SCHEME, "pageSize": PAGE,
+            "pages": {"cut": ("virtual-address multiples of pieceSize inside pagemap ranges" if self.cut == "vaddr"
+                              else "page-level CDC, forced cuts at pagemap range starts"),
+                      "pieceSize": self.piece_pages * PAGE,
+                      "withoutPagemap": {"cut": "page-level CDC on a sampled page hash", "sampleWords": _WORDS // _SAMPLE_STRIDE,
+                                         "minPages": self.min_pages, "maxPages": self.max_pages, "divisor": self.divisor,
+                                         "zeroMinPages": self.zero_min_pages}},
+            "other": {"algorithm": "fastcdc-2020", "avgSize": self.cdc_avg, "minSize": self.cdc_min, "maxSize": self.cdc_max},
+            "packTarget": self.pack_target, "digest": "sha256(raw piece)",
+            "compression": {"algorithm": "zstd", "level": 3, "minSaving": self.compress_min_saving},
+        }
+
+
+# ---- cutting pages files ------------------------------------------------------------------------
+def page_features(view: memoryview, npages: int, divisor: int) -> tuple[np.ndarray, np.ndarray]:
+    """(zero, cut) flags per page: the page is all zero / a data piece may end after it."""
+    a = np.frombuffer(view, dtype=np.uint64, count=npages * _WORDS).reshape(npages, _WORDS)
+    s = a[:, ::_SAMPLE_STRIDE]
+    sample_zero = ~s.any(axis=1)
+    zero = np.zeros(npages, dtype=bool)
+    idx = np.flatnonzero(sample_zero)
+    if idx.size:
+        zero[idx] = ~a[idx].any(axis=1)
+    h = (s * _K).sum(axis=1, dtype=np.uint64)
+    h ^= h >> np.uint64(29)
+    cut = ((h >> np.uint64(20)) % np.uint64(divisor) == 0) & ~sample_zero
+    return zero, cut
+
+
+def page_zero(view: memoryview, npages: int) -> np.ndarray:
+    """Per page: is it all zero? (Full check only where the sampled words are all zero.)"""
+    a = np.frombuffer(view, dtype=np.uint64, count=npages * _WORDS).reshape(npages, _WORDS)
+    zero = ~a[:, ::_SAMPLE_STRIDE].any(axis=1)
+    idx = np.flatnonzero(zero)
+    if idx.size:
+        zero[idx] = ~a[idx].any(axis=1)
+    return zero
+
+
+class PageCutter:
+    """Turns per-page flags, fed window after window, into pieces (start, end, is_zero) in pages.
+
+    Decisions depend only on the pages' content and the forced range starts, never on where a
+    window begins (a pending zero run is decided only once its full length is known).
+    """
+
+    def __init__(self, params: PackParams, forced: list[int] | None) -> None:
+        self.p = params
+        self.forced = np.array(sorted(set(forced or [])), dtype=np.int64)
+        self.start: int | None = None  # open piece start
+        self.zero_open = False  # the open piece is a zero piece
+        self.zrun: int | None = None  # start of a pending zero run at the end of the open data piece
+        self.pos = 0  # pages fed so far
+        self.out: list[tuple[int, int, bool]] = []
+
+    def keep_from(self) -> int | None:
+        """First page whose bytes are still needed (open data piece), None if none are."""
+        return None if self.start is None or self.zero_open else self.start
+
+    def _emit(self, a: int, b: int, zero: bool) -> None:
+        if b > a:
+            self.out.append((a, b, zero))
+
+    def _data_to(self, hi: int, cands: np.ndarray) -> None:
+        """Extend the open data piece to page ``hi`` applying candidate and max cuts."""
+        p = self.p
+        assert self.start is not None
+        i = int(np.searchsorted(cands, self.start + p.min_pages - 1))
+        while True:
+            limit = self.start + p.max_pages
+            c = int(cands[i]) if i < len(cands) else None
+            if c is not None and c < hi and c + 1 <= limit:
+                self._emit(self.start, c + 1, False)
+                self.start = c + 1
+                i = int(np.searchsorted(cands, self.start + p.min_pages - 1))
+            elif limit <= hi:
+                self._emit(self.start, limit, False)
+                self.start = limit
+                i = int(np.searchsorted(cands, self.start + p.min_pages - 1))
+            else:
+                return
+
+    _NO = np.zeros(0, dtype=np.int64)
+
+    def _resolve_zero(self, end: int, final: bool) -> None:
+        """A pending zero run ending at ``end`` (it is over, or the file/range ends)."""
+        if self.zrun is None:
+            return
+        zs = self.zrun
+        self.zrun = None
+        if end - zs >= self.p.zero_min_pages:
+            assert self.start is not None
+            self._emit(self.start, zs, False)
+            self.start, self.zero_open = zs, True
+        else:
+            self._data_to(end, self._NO)
+
+    def _close(self, at: int) -> None:
+        if self.start is None:
+            return
+        self._resolve_zero(at, True)
+        self._emit(self.start, at, self.zero_open)
+        self.start, self.zero_open = None, False
+
+    def feed(self, zero: np.ndarray, cut: np.ndarray) -> list[tuple[int, int, bool]]:
+        base = self.pos
+        n = len(zero)
+        self.pos += n
+        self.out = []
+        # run starts: zero/non-zero transitions and forced range starts inside this window
+        starts = set((np.flatnonzero(zero[1:] != zero[:-1]) + 1 + base).tolist())
+        starts.add(base)
+        f = self.forced[(self.forced >= base) & (self.forced < base + n)]
+        forced = set(f.tolist())
+        starts |= forced
+        bounds = sorted(starts) + [base + n]
+        cands = (np.flatnonzero(cut) + base).astype(np.int64)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if a in forced:
+                self._close(a)
+            if zero[a - base]:
+                if self.start is None:
+                    self.start, self.zero_open = a, True
+                elif self.zero_open:
+                    pass
+                elif self.zrun is None:
+                    self.zrun = a
+                if self.zrun is not None and b - self.zrun >= self.p.zero_min_pages:
+                    self._resolve_zero(b, False)
+            else:
+                if self.start is None:
+                    self.start = a
+                elif self.zero_open:
+                    self._emit(self.start, a, True)
+                    self.start, self.zero_open = a, False
+                else:
+                    self._resolve_zero(a, False)
+                lo = int(np.searchsorted(cands, a))
+                hi = int(np.searchsorted(cands, b))
+                self._data_to(b, cands[lo:hi])
+        return self.out
+
+    def finish(self) -> list[tuple[int, int, bool]]:
+        self.out = []
+        self._close(self.pos)
+        return self.out
+
+
+class AlignedCutter:
+    """Pieces that end where the virtual address is a multiple of ``piece_pages`` pages, or
+    where a memory range ends (ranges: the pagemap's, contiguous entries merged).
+
+    Why addresses and not content: between two checkpoints of a GPU process the driver's
+    buffers stay at the same addresses (measured: 95 % of pages identical at the same address,
+    none moved), while CRIU's entries split at varying places; a cut tied to the address is
+    stable wherever the entries split, and the pieces are keyed by content. An all-zero piece
+    is a zero piece (consecutive ones are merged).
+    """
+
+    def __init__(self, ranges: list[Any], piece_pages: int) -> None:
+        cuts: list[np.ndarray] = []
+        end = 0
+        for r in ranges:
+            s0, v, n = r.file_offset // PAGE, r.vaddr // PAGE, r.nr_pages
+            first = (v // piece_pages + 1) * piece_pages - v  # pages to the first aligned address
+            cuts.append(np.array([s0], dtype=np.int64))
+            cuts.append(np.arange(s0 + first, s0 + n, piece_pages, dtype=np.int64))
+            end = s0 + n
+        cuts.append(np.array([end], dtype=np.int64))
+        self.cuts = np.unique(np.concatenate(cuts))
+        self.i = 0  # next piece: [cuts[i], cuts[i + 1])
+        self.pos = 0
+        self.zbuf = np.zeros(0, dtype=bool)  # zero flags of pages [cuts[i], pos)
+        self.zero: tuple[int, int] | None = None  # zero pieces held back to merge with the next
+
+    def keep_from(self) -> int | None:
+        start = int(self.cuts[self.i])
+        return start if start < self.pos else None
+
+    def feed(self, zero: np.ndarray, cut: np.ndarray) -> list[tuple[int, int, bool]]:
+        zbase = int(self.cuts[self.i])
+        self.zbuf = np.concatenate((self.zbuf, zero))
+        self.pos += len(zero)
+        j = int(np.searchsorted(self.cuts, self.pos, side="right")) - 1
+        out: list[tuple[int, int, bool]] = []
+        if j > self.i:
+            starts = self.cuts[self.i:j + 1]
+            allzero = np.logical_and.reduceat(self.zbuf[: int(starts[-1]) - zbase], starts[:-1] - zbase)
+            for k in range(len(starts) - 1):
+                a, b, z = int(starts[k]), int(starts[k + 1]), bool(allzero[k])
+                if z:
+                    if self.zero is not None and self.zero[1] == a:
+                        self.zero = (self.zero[0], b)
+                    else:
+                        self._flush_zero(out)
+                        self.zero = (a, b)
+                else:
+                    self._flush_zero(out)
+                    out.append((a, b, False))
+            self.i = j
+            self.zbuf = self.zbuf[int(self.cuts[j]) - zbase:]
+        return out
+
+    def _flush_zero(self, out: list[tuple[int, int, bool]]) -> None:
+        if self.zero is not None:
+            out.append((self.zero[0], self.zero[1], True))
+            self.zero = None
+
+    def finish(self) -> list[tuple[int, int, bool]]:
+        out: list[tuple[int, int, bool]] = []
+        self._flush_zero(out)  # the last range's end is a cut: all else was emitted
+        return out
+
+
+# ---- the dedup index ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class KnownPiece:
+    blob: Descriptor  # pack blob that holds it
+    blob_offset: int
+    stored: int
+    raw: int
+    flags: int
+
+
+# ~150 B each: 500k pieces (~75 MB) cover the parent and two more 20 GB checkpoints at 128 KiB;
+# older checkpoints beyond it are simply not deduped against (bounded memory, never wrong).
+MAX_KNOWN = 500_000
+
+
+def known_pieces(store: OciStore, prefer: list[str] | None = None, limit: int = MAX_KNOWN) -> dict[bytes, KnownPiece]:
+    """Pieces of v2 checkpoints already in ``store``: raw SHA-256 → where they lie.
+
+    Derived from the stored artifacts themselves (manifest + piece table, both verified when
+    read), so it can never disagree with the store after a crash. Bounded: the manifests in
+    ``prefer`` (e.g. the parent) first, then the newest tags, until ``limit`` pieces.
+    """
+    import json
+
+    out: dict[bytes, KnownPiece] = {}
+    seen: set[str] = set()
+    tags = store.tags()
+    order = list(prefer or [])
+    dated = []
+    for t in tags:
+        try:
+            created = os.stat(store.blob_path(t.descriptor.digest)).st_mtime
+        except OSError:
+            continue
+        dated.append((created, t.descriptor.digest))
+    order += [d for _, d in sorted(dated, reverse=True)]
+    for digest in order:
+        if digest in seen or len(out) >= limit:
+            continue
+        seen.add(digest)
+        try:
+            m = store.manifest(digest)
+            layers = [Descriptor.from_dict(x) for x in m.get("layers", [])]
+            tables = [d for d in layers if d.media_type == lay.MEDIA_PIECES]
+            if len(tables) != 1:
+                continue  # v1 or encrypted: nothing to reference piecewise
+            records = lay.decode_table(store.read_bytes(tables[0].digest, limit=lay.MAX_TABLE))
+        except (IntegrityError, OSError, ValueError, json.JSONDecodeError):
+            continue
+        except Exception:  # noqa: BLE001 - a damaged old checkpoint only means less dedup
+            continue
+        present: dict[int, bool] = {}
+        for _fo, bo, _fi, li, raw, stored, flags, sha in records:
+            if flags & lay.FLAG_ZERO or li >= len(layers) or sha in out:
+                continue
+            ok = present.get(li)
+            if ok is None:
+                ok = present[li] = layers[li].media_type == lay.MEDIA_PACK and store.has_blob(layers[li].digest)
+            if ok:
+                out[sha] = KnownPiece(layers[li], bo, stored, raw, flags)
+        if len(out) >= limit:
+            break
+    return out
+
+
+# ---- the pipeline -----------------------------------------------------------------------------------
+class _Buffer:
+    """A read window; the pool of these bounds memory. A window goes back to the pool when
+    nothing refers to its bytes any more (its pieces are hashed and, if new, in a pack file)."""
+
+    __slots__ = ("data", "refs", "pool")
+
+    def __init__(self, size: int, pool: "queue.Queue[_Buffer]") -> None:
+        # An anonymous mapping, not a bytearray: it costs memory only once read into, and is
+        # given back to the system when dropped (malloc keeps freed windows in its heap).
+        self.data = mmap.mmap(-1, size)
+        self.refs = 0
+        self.pool = pool
+
+
+class _Pack:
+    def __init__(self) -> None:
+        self.parts: list[Any] = []  # memoryviews / bytes, in blob order
+        self.buffers: list[_Buffer] = []
+        self.size = 0
+        self.desc: Descriptor | None = None
+        self.future: Future[Descriptor] | None = None
+
+
+@dataclass
+class _Piece:
+    file: int
+    offset: int
+    raw: int
+    zero: bool = False
+    view: Any = None  # raw bytes (memoryview into a window buffer, or bytes)
+    sha: bytes = b""
+    stored: Any = None  # zstd frame when compressed and it paid
+    # where it lies once placed
+    pack: Any = None  # _Pack or Descriptor (known piece)
+    blob_offset: int = 0
+    stored_len: int = 0
+    flags: int = 0
+
+
+@dataclass
+class PackResult:
+    records: list[tuple[Any, int, int, int, int, int, int, bytes]]  # (pack or desc, file_offset, blob_offset, file, raw, stored, flags, sha)
+    packs: list[Descriptor]  # every pack blob referenced, first-use order
+    new_bytes: int
+    new_blobs: int
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+class PackWriter:
+    """Writes the pieces of several files (one after the other) into pack blobs of ``store``."""
+
+    def __init__(self, store: OciStore, *, compress: bool, params: PackParams = PackParams(),
+                 known: dict[bytes, KnownPiece] | None = None, on_blob: Callable[[Descriptor], None] | None = None,
+                 workers: int | None = None) -> None:
+        self.store = store
+        self.compress = compress
+        self.p = params
+        self.known = known or {}
+        self.on_blob = on_blob
+        self.workers = max(1, workers or os.cpu_count() or 1)
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack")
+        self.depth = self.workers + 2
+        self.free: queue.Queue[_Buffer] = queue.LifoQueue()  # reuse warm windows; cold ones never cost memory
+        tail = (params.max_pages + params.zero_min_pages + 1) * PAGE
+        # Enough windows for the reads in flight plus the open pack and a few packs being
+        # written (each pins its windows until its bytes are in the file): a pack's SHA-256 runs
+        # on one thread, so with many cores several packs must be hashed at once.
+        self.packs_in_flight = max(2, self.workers // 4)
+        self.nbuf = self.depth + (self.packs_in_flight + 1) * -(-params.pack_target // params.window) + 2
+        for _ in range(self.nbuf):
+            self.free.put(_Buffer(params.window + tail, self.free))
+        self.inflight: collections.deque[tuple[_Buffer | None, Future[list[_Piece]]]] = collections.deque()
+        self.fresh: dict[bytes, tuple[_Pack, int, int, int, int]] = {}  # new pieces: pack, offset, stored, flags, raw
+        self.records: list[tuple[Any, int, int, int, int, int, int, bytes]] = []
+        self.packs_order: list[Any] = []
+        self._pack_ids: set[int] = set()
+        self.open = _Pack()
+        self.sealed: list[_Pack] = []
+        self.new_bytes = 0
+        self.stats = {"pieces": 0, "zero_pieces": 0, "zero_bytes": 0, "deduped_pieces": 0, "deduped_bytes": 0,
+                      "new_pieces": 0, "compressed_pieces": 0}
+        self._lock = threading.Lock()
+        self._fds: list[int] = []
+
+    # -- worker side -------------------------------------------------------------------------
+    def _read_and_hash(self, buf: _Buffer, fd: int, fi: int, bounds: np.ndarray) -> list[_Piece]:
+        """Worker: read pages [bounds[0], bounds[-1]) of ``fd`` into ``buf``, find the zero
+        pieces among ``bounds``' pieces and hash the others (aligned cutting needs no data to
+        place its cuts, so whole windows run here, reads included, off the main thread)."""
+        start = int(bounds[0]) * PAGE
+        length = (int(bounds[-1]) - int(bounds[0])) * PAGE
+        mv = memoryview(buf.data)[:length]
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [mv[got:]], start + got)
+            if n <= 0:
+                raise IntegrityError(f"pages file ended {length - got} bytes early; it changed while being stored")
+            got += n
+        zero = page_zero(mv, length // PAGE)
+        rel = (bounds - bounds[0]).astype(np.int64)
+        allzero = np.logical_and.reduceat(zero, rel[:-1])
+        pieces: list[_Piece] = []
+        for k in range(len(rel) - 1):
+            a, b = int(rel[k]) * PAGE, int(rel[k + 1]) * PAGE
+            if allzero[k]:
+                if pieces and pieces[-1].zero and pieces[-1].offset + pieces[-1].raw == start + a:
+                    pieces[-1].raw += b - a
+                else:
+                    pieces.append(_Piece(fi, start + a, b - a, zero=True))
+            else:
+                pieces.append(_Piece(fi, start + a, b - a, view=mv[a:b]))
+        self._hash(pieces)
+        return pieces
+
+    def _hash(self, pieces: list[_Piece]) -> list[_Piece]:
+        zc = zstandard.ZstdCompressor(level=3) if self.compress else None
+        misses = 0
+        for pc in pieces:
+            if pc.zero:
+                continue
+            pc.sha = hashlib.sha256(pc.view).digest()
+            if zc is not None and pc.sha not in self.known and misses < 8:
+                frame = zc.compress(pc.view)
+                if len(frame) <= pc.raw * (1 - self.p.compress_min_saving):
+                    pc.stored = frame
+                    misses = 0
+                else:
+                    misses += 1  # incompressible data (weights): stop trying for this window
+        return pieces
+
+    def _write_pack(self, pack: _Pack) -> Descriptor:
+        def release() -> None:
+            pack.parts = []
+            for b in pack.buffers:
+                self._release(b)
+            pack.buffers = []
+
+        try:
+            with self.store.writer(sync=True, buffered=False) as w:
+                for part in pack.parts:
+                    w.write(part)
+                release()  # the bytes are in the file: recycle the windows before the fdatasync
+                digest = w.commit()
+                desc = Descriptor(lay.MEDIA_PACK, digest, w.size)
+            pack.desc = desc
+            if self.on_blob is not None:
+                self.on_blob(desc)
+            return desc
+        finally:
+            release()
+
+    # -- main thread -------------------------------------------------------------------------
+    def _get_buffer(self) -> _Buffer:
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            pass
+        while self.inflight:
+            self._drain_one()
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            pass
+        if self.open.parts:
+            self._seal()
+        while True:
+            try:
+                return self.free.get(timeout=1)
+            except queue.Empty:
+                for pk in self.sealed:
+                    if pk.future is not None and pk.future.done() and pk.future.exception() is not None:
+                        raise pk.future.exception()  # type: ignore[misc]
+
+    def _seal(self) -> None:
+        pack = self.open
+        self.open = _Pack()
+        pack.future = self.pool.submit(self._write_pack, pack)
+        self.sealed.append(pack)
+
+    def _submit(self, buf: _Buffer | None, pieces: list[_Piece]) -> None:
+        if buf is not None:
+            with self._lock:
+                buf.refs += 1  # the window itself, until its results are placed
+        self.inflight.append((buf, self.pool.submit(self._hash, pieces)))
+        while len(self.inflight) > self.depth:
+            self._drain_one()
+
+    def _submit_read(self, buf: _Buffer, fd: int, fi: int, bounds: np.ndarray) -> None:
+        with self._lock:
+            buf.refs += 1
+        self.inflight.append((buf, self.pool.submit(self._read_and_hash, buf, fd, fi, bounds)))
+        while len(self.inflight) > self.depth:
+            self._drain_one()
+
+    def _drain_one(self) -> None:
+        buf, fut = self.inflight.popleft()
+        pieces = fut.result()
+        idxs: list[int] = []  # parts of the open pack that are views into ``buf``
+        nbytes = 0
+        for pc in pieces:
+            self.stats["pieces"] += 1
+            if pc.zero:
+                self.stats["zero_pieces"] += 1
+                self.stats["zero_bytes"] += pc.raw
+                self.records.append((None, pc.offset, 0, pc.file, pc.raw, 0, lay.FLAG_ZERO, b"\0" * 32))
+                continue
+            k = self.known.get(pc.sha)
+            if k is not None and k.raw == pc.raw:
+                self._use(k.blob)
+                self.stats["deduped_pieces"] += 1
+                self.stats["deduped_bytes"] += pc.raw
+                self.records.append((k.blob, pc.offset, k.blob_offset, pc.file, pc.raw, k.stored, k.flags, pc.sha))
+                continue
+            f = self.fresh.get(pc.sha)
+            if f is not None and f[4] == pc.raw:
+                self.stats["deduped_pieces"] += 1
+                self.stats["deduped_bytes"] += pc.raw
+                self.records.append((f[0], pc.offset, f[1], pc.file, pc.raw, f[2], f[3], pc.sha))
+                continue
+            compressed = pc.stored is not None
+            data = pc.stored if compressed else pc.view
+            pc.flags = lay.FLAG_ZSTD if compressed else 0
+            self.stats["compressed_pieces"] += compressed
+            pc.stored_len = len(data)
+            pc.pack = self.open
+            pc.blob_offset = self.open.size
+            self._use(self.open)
+            if not compressed and buf is not None:
+                idxs.append(len(self.open.parts))
+                nbytes += pc.raw
+            self.open.parts.append(data)
+            self.open.size += pc.stored_len
+            self.fresh[pc.sha] = (pc.pack, pc.blob_offset, pc.stored_len, pc.flags, pc.raw)
+            self.stats["new_pieces"] += 1
+            self.new_bytes += pc.stored_len
+            self.records.append((pc.pack, pc.offset, pc.blob_offset, pc.file, pc.raw, pc.stored_len, pc.flags, pc.sha))
+            pc.view = pc.stored = None
+            if self.open.size >= self.p.pack_target:
+                self._settle(self.open, buf, idxs, nbytes)
+                idxs, nbytes = [], 0
+                self._seal()
+        self._settle(self.open, buf, idxs, nbytes)
+        if buf is not None:
+            self._release(buf)
+
+    def _release(self, buf: _Buffer) -> None:
+        with self._lock:
+            buf.refs -= 1
+            if buf.refs == 0:
+                buf.pool.put(buf)
+
+    def _settle(self, pack: _Pack, buf: _Buffer | None, idxs: list[int], nbytes: int) -> None:
+        """``pack`` keeps ``buf`` alive for the views ``idxs``, or, when they are a small part
+        of the window, gets copies instead: sparse new data (a second checkpoint) must not pin
+        every window buffer and force tiny packs."""
+        if buf is None or not idxs:
+            return
+        if nbytes * 2 < self.p.window:
+            for i in idxs:
+                pack.parts[i] = bytes(pack.parts[i])
+            return
+        with self._lock:
+            buf.refs += 1
+        pack.buffers.append(buf)
+
+    def _use(self, pack: Any) -> None:
+        if id(pack) not in self._pack_ids:
+            self._pack_ids.add(id(pack))
+            self.packs_order.append(pack)
+
+    # -- feeding files ---------------------------------------------------------------------------
+    def add_pages_fd(self, file_index: int, fd: int, size: int, ranges: list[Any]) -> int:
+        """Cut a pages file that can be read at any offset (a file of a checkpoint directory)
+        by address: windows of whole pieces are read, checked for zeros and hashed by the
+        workers in parallel; this thread only schedules them and places the results."""
+        cuts = AlignedCutter(ranges, self.p.piece_pages).cuts
+        if int(cuts[-1]) * PAGE != size:
+            raise IntegrityError(f"pages file is {size} bytes, its pagemap says {int(cuts[-1]) * PAGE}")
+        fd = os.dup(fd)  # the caller may close its file before the workers have read it
+        self._fds.append(fd)
+        per = self.p.window // PAGE
+        i = 0
+        while i < len(cuts) - 1:
+            j = int(np.searchsorted(cuts, int(cuts[i]) + per, side="right")) - 1
+            j = max(j, i + 1)
+            self._submit_read(self._get_buffer(), fd, file_index, cuts[i:j + 1])
+            i = j
+        return size
+
+    def add_pages(self, file_index: int, stream: Any, size: int, ranges: list[Any] | None) -> int:
+        """Cut a pages file read from ``stream`` (``readinto``); returns the bytes read.
+
+        ``ranges``: its pagemap ranges (pagemap.ranges_of); None: page-level CDC instead."""
+        if ranges and self.p.cut == "vaddr":
+            cutter: Any = AlignedCutter(ranges, self.p.piece_pages)
+        else:
+            cutter = PageCutter(self.p, [r.file_offset // PAGE for r in ranges] if ranges else None)
+        buf_start = 0  # file offset of buf.data[0]
+        carry = b""
+        total = 0
+        while True:
+            buf = self._get_buffer()
+            mv = memoryview(buf.data)
+            mv[: len(carry)] = carry
+            fill = len(carry)
+            want = min(self.p.window, size - total) if size >= 0 else self.p.window
+            got = 0
+            while got < want:
+                n = stream.readinto(mv[fill + got: fill + want])
+                if not n:
+                    break
+                got += n
+            total += got
+            end = fill + got
+            whole = (total // PAGE) * PAGE - cutter.pos * PAGE  # bytes of complete new pages
+            npages = whole // PAGE
+            pieces: list[_Piece] = []
+            if npages:
+                first = fill  # new pages start after the carried bytes
+                zero, cut = page_features(mv[first: first + npages * PAGE], npages, self.p.divisor)
+                for a, b, z in cutter.feed(zero, cut):
+                    pieces.append(self._piece(file_index, a * PAGE, (b - a) * PAGE, z, mv, buf_start))
+            eof = got < want or total >= size
+            if eof:
+                for a, b, z in cutter.finish():
+                    pieces.append(self._piece(file_index, a * PAGE, (b - a) * PAGE, z, mv, buf_start))
+                rest = total - cutter.pos * PAGE  # a partial last page (not a CRIU pages file)
+                if rest:
+                    pieces.append(self._piece(file_index, cutter.pos * PAGE, rest, False, mv, buf_start))
+                self._submit(buf, pieces)
+                return total
+            keep = cutter.keep_from()
+            keep_off = (keep if keep is not None else cutter.pos) * PAGE
+            carry = bytes(mv[keep_off - buf_start: end])
+            self._submit(buf, pieces)
+            buf_start = keep_off
+
+    def _piece(self, fi: int, off: int, length: int, zero: bool, mv: memoryview, buf_start: int) -> _Piece:
+        if zero:
+            return _Piece(fi, off, length, zero=True)
+        return _Piece(fi, off, length, view=mv[off - buf_start: off - buf_start + length])
+
+    def add_cdc(self, file_index: int, stream: IO[bytes], size: int) -> int:
+        """Cut any other large file with FastCDC; pieces are copied out of pyfastcdc's buffer."""
+        cdc = FastCDC(self.p.cdc_avg, min_size=self.p.cdc_min, max_size=self.p.cdc_max)
+        from gpusnap.packaging.chunker import _Limited
+
+        offset = 0
+        batch: list[_Piece] = []
+        batch_bytes = 0
+        for c in cdc.cut_stream(_Limited(stream, size)):
+            data = bytes(c.data)
+            batch.append(_Piece(file_index, offset, len(data), view=data))
+            offset += len(data)
+            batch_bytes += len(data)
+            if batch_bytes >= self.p.window:
+                self._submit(None, batch)
+                batch, batch_bytes = [], 0
+        if batch:
+            self._submit(None, batch)
+        return offset
+
+    def finish(self) -> PackResult:
+        while self.inflight:
+            self._drain_one()
+        if self.open.parts:
+            self._seal()
+        for pk in self.sealed:
+            assert pk.future is not None
+            pk.future.result()
+        packs = [pk.desc if isinstance(pk, _Pack) else pk for pk in self.packs_order]
+        records = [((r[0].desc if isinstance(r[0], _Pack) else r[0]),) + r[1:] for r in self.records]
+        self.pool.shutdown(wait=True)
+        self._close_fds()
+        return PackResult(records, packs, self.new_bytes, len(self.sealed), self.stats)  # type: ignore[arg-type]
+
+    def abort(self) -> None:
+        for _, fut in self.inflight:
+            fut.cancel()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
