@@ -248,20 +248,53 @@ def checkpoint(
         output.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(state["cp"].path), str(output))
 
+    # checkpoint --push of a plain artifact: each blob goes up as soon as the store commits
+    # it (api.start_push), so the push step only waits for the last uploads and sends the
+    # manifest. An encrypted store seals blobs after building them and a podman image is
+    # built from the stored artifact: those push after the store, as before.
+    pipelined = bool(push) and not podman_image and encryption is None and hasattr(api, "start_push")
+    transfer: list[Any] = []
+
     def store() -> None:
         local = ref or push or default_ref(info)
-        progress(f"storing {local}")
+        progress(f"storing {local}" + (f" and pushing it to {push}" if pipelined else ""))
         sealed = {"encryption": encryption} if encryption is not None else {}
-        stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"], compress=opts.compress, **sealed)
+        if pipelined:
+            cm = _transfer(progress, f"push {push}")
+            bar = cm.__enter__()
+            transfer.append(cm)
+            state["pipeline"] = api.start_push(settings.store_dir, push, insecure=insecure, progress=bar)
+            sealed["on_blob"] = state["pipeline"].on_blob
+        try:
+            stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"],
+                                          compress=opts.compress, **sealed)
+        except BaseException:
+            end_pipeline()
+            raise
         state["ref"] = local
         state["stored"] = stored
 
+    def end_pipeline() -> None:
+        pipeline = state.pop("pipeline", None)
+        if pipeline is not None:
+            pipeline.cancel()
+        while transfer:
+            transfer.pop().__exit__(None, None, None)
+
     def unstore() -> None:
+        end_pipeline()
         remove_ref = getattr(api, "remove", None)
         if remove_ref is not None and "ref" in state:
             remove_ref(settings.store_dir, state["ref"])
 
     def do_push() -> None:
+        if pipelined:
+            progress(f"pushing the rest of {push}")
+            try:
+                state["pushed"] = state["pipeline"].finish(state["ref"])
+            finally:
+                end_pipeline()
+            return
         progress(f"pushing {push}")
         with _transfer(progress, f"push {push}") as bar:
             if podman_image:

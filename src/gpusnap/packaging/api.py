@@ -30,6 +30,7 @@ __all__ = [
     "materialize_checkpoint",
     "pull",
     "push",
+    "start_push",
     "remove",
     "gc",
     "store_checkpoint",
@@ -444,6 +445,15 @@ def push(store_dir: Path, ref: str, remote: str, *, insecure: bool = False, prog
         return push_artifact(store, tmp_ref, remote, insecure=insecure, progress=progress, subject=subject)
     finally:
         store.untag(tmp_ref)
+
+
+def start_push(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None) -> Any:
+    """A push that runs while the checkpoint is stored (``checkpoint --push``): pass its
+    ``on_blob`` to :func:`store_checkpoint`, then call ``finish(ref)`` (the PushResult) or, if
+    the store failed, ``cancel()``. See gpusnap.packaging.registry.PipelinedPush."""
+    from gpusnap.packaging.registry import PipelinedPush
+
+    return PipelinedPush(OciStore(Path(store_dir)), remote, insecure=insecure, progress=progress)
 
 
 def pull(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import requests
@@ -133,15 +133,25 @@ class RegistryClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
-        self.session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=workers * 2)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
-        self.session.headers["User-Agent"] = "gpusnap"
+        # One Session per thread: requests does not promise a Session is thread-safe, and a
+        # thread that keeps its own keeps its own kept-alive connection for every blob it moves.
+        self._local = threading.local()
         self._lock = threading.Lock()
         self._auth: dict[str, str] = {}  # scope → Authorization header value
         self.recoveries: list[tuple[str, int, int]] = []  # (blob, offset at failure, offset resumed from)
         self._challenge: tuple[str, dict[str, str]] | None = None
+
+    @property
+    def session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = requests.Session()
+            adapter = HTTPAdapter(pool_connections=2, pool_maxsize=2)
+            session.mount("http://", adapter)
+            session.mount("https://", adapter)
+            session.headers["User-Agent"] = "gpusnap"
+            self._local.session = session
+        return session
 
     # ---- auth ---------------------------------------------------------------------------------
     def _authorize(self, scope: str, challenge_header: str) -> None:
@@ -298,7 +308,10 @@ class RegistryClient:
         r.close()
         return self._location(r)
 
-    def upload_blob(self, repo: str, desc: Descriptor, path: Path, progress: Progress, upload_url: str | None = None) -> None:
+    def upload_blob(self, repo: str, desc: Descriptor, path: "Path | Callable[[], IO[bytes]]", progress: Progress,
+                    upload_url: str | None = None) -> None:
+        """``path``: the blob's file, or a function opening it (a store blob that a publish may
+        move from ingest/ to blobs/ while it is being sent: see :func:`blob_opener`)."""
         scope = f"repository:{repo}:pull,push"
         url = upload_url or self.start_upload(repo)
         if desc.size <= self.monolithic_limit:
@@ -347,7 +360,7 @@ class RegistryClient:
                 time.sleep(self.backoff_s * (2 ** attempt))
         return None
 
-    def _chunked_upload(self, repo: str, desc: Descriptor, path: Path, progress: Progress, url: str) -> None:
+    def _chunked_upload(self, repo: str, desc: Descriptor, path: "Path | Callable[[], IO[bytes]]", progress: Progress, url: str) -> None:
         scope = f"repository:{repo}:pull,push"
         offset = 0
         failures = 0
@@ -428,25 +441,32 @@ class RegistryClient:
 
 
 def _receive_body(r: requests.Response, w: Any, desc: Descriptor, buf: memoryview, progress: Progress, registry: str) -> None:
-    """Copy a blob response body into the writer ``w`` (which hashes it), never past ``desc.size``.
+    """Copy a blob response body into the writer ``w`` (which hashes it), never past ``desc.size``."""
+    too_large = f"blob {desc.digest} from {registry} is larger than its descriptor says; refusing it"
+    for n in read_body_into(r, buf):
+        if w.size + n > desc.size:
+            raise IntegrityError(too_large)
+        w.write(buf[:n])
+        progress.advance(n)
+
+
+def read_body_into(r: requests.Response, buf: memoryview) -> Iterator[int]:
+    """The body of ``r`` piece by piece: each yielded ``n`` means ``buf[:n]`` holds the next bytes.
 
     Fast path: the body is read with ``readinto`` from the standard library's response under
-    urllib3 (it handles Content-Length and chunked framing) into ``buf``, which is hashed and
-    written from there — one buffer for the whole blob instead of a new ``bytes`` per read
-    and the copies through urllib3's and the file's buffers. A fully read response gives its
-    connection back to the pool, as ``iter_content`` would. Anything else (a content-encoded
-    body, another urllib3 backend) goes through ``iter_content``. Read errors become
-    ``requests.ConnectionError``, so the caller resumes with a Range request either way.
+    urllib3 (it handles Content-Length and chunked framing) into ``buf``, which the caller
+    hashes and writes from there — one buffer for the whole blob instead of a new ``bytes`` per
+    read and the copies through urllib3's and the file's buffers. A fully read response gives
+    its connection back to the pool, as ``iter_content`` would. Anything else (a
+    content-encoded body, another urllib3 backend) goes through ``iter_content``. Read errors
+    become ``requests.ConnectionError``, so callers resume with a Range request either way.
     """
     fp = getattr(r.raw, "_fp", None)
     encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
-    too_large = f"blob {desc.digest} from {registry} is larger than its descriptor says; refusing it"
     if not isinstance(fp, http.client.HTTPResponse) or encoding not in ("", "identity"):
-        for data in r.iter_content(READ_SIZE):
-            if w.size + len(data) > desc.size:
-                raise IntegrityError(too_large)
-            w.write(data)
-            progress.advance(len(data))
+        for data in r.iter_content(len(buf)):
+            buf[:len(data)] = data
+            yield len(data)
         return
     while True:
         try:
@@ -455,11 +475,8 @@ def _receive_body(r: requests.Response, w: Any, desc: Descriptor, buf: memoryvie
             raise requests.ConnectionError(f"blob download broke off: {exc!r}") from None
         if not n:
             break
-        if w.size + n > desc.size:
-            raise IntegrityError(too_large)
-        w.write(buf[:n])
-        progress.advance(n)
-    if fp.isclosed() and w.size == desc.size:  # the whole body was read: the connection can serve the next blob
+        yield n
+    if fp.isclosed():  # the whole body was read: the connection can serve the next blob
         r.raw.release_conn()
 
 
@@ -488,10 +505,10 @@ class _FileBody:
     """``length`` bytes of ``path`` from ``offset`` as a request body.
 
     ``__len__`` makes requests send a Content-Length (not chunked encoding) and ``__iter__``
-    makes urllib3 write it 1 MiB at a time, so memory stays flat whatever the blob size.
+    makes urllib3 write it SEND_SIZE at a time, so memory stays flat whatever the blob size.
     """
 
-    def __init__(self, path: Path, offset: int, length: int, progress: Progress, sent: list[int]) -> None:
+    def __init__(self, path: "Path | Callable[[], IO[bytes]]", offset: int, length: int, progress: Progress, sent: list[int]) -> None:
         self._path, self._offset, self._length = path, offset, length
         self._progress, self._sent = progress, sent
 
@@ -499,7 +516,7 @@ class _FileBody:
         return self._length
 
     def __iter__(self) -> Iterator[bytes]:
-        with open(self._path, "rb") as f:
+        with (self._path() if callable(self._path) else open(self._path, "rb")) as f:
             f.seek(self._offset)
             left = self._length
             while left:
@@ -512,8 +529,28 @@ class _FileBody:
                 yield data
 
 
-def _file_iter(path: Path, offset: int, length: int, progress: Progress, sent: list[int]) -> _FileBody:
+def _file_iter(path: "Path | Callable[[], IO[bytes]]", offset: int, length: int, progress: Progress, sent: list[int]) -> _FileBody:
     return _FileBody(path, offset, length, progress, sent)
+
+
+def blob_opener(store: OciStore, digest: str) -> Callable[[], IO[bytes]]:
+    """Opens a store blob wherever it is when opened: a blob written by a store that is still
+    going on waits in ingest/ and is renamed into blobs/ by the store's publish, which may
+    happen between two requests of its upload. Renames are the only way a pending blob leaves
+    ingest/ while its operation runs, so the pending path missing means the blob is in blobs/."""
+    pending = store.blob_path(digest)
+    final = store.blobs_dir / digest.split(":", 1)[1]
+
+    def open_() -> IO[bytes]:
+        try:
+            return open(pending, "rb")
+        except FileNotFoundError:
+            try:
+                return open(final, "rb")
+            except FileNotFoundError:
+                raise NotFoundError(f"blob {digest} left the store {store.root} while being pushed; store the checkpoint again") from None
+
+    return open_
 
 
 # ---- push and pull --------------------------------------------------------------------------
@@ -569,6 +606,49 @@ def _referrers_fallback(client: RegistryClient, repo: str, subject: Descriptor, 
     client.put_manifest(repo, tag, json.dumps(index, separators=(",", ":")).encode(), MEDIA_OCI_INDEX)
 
 
+class _BlobSender:
+    """Puts one blob of a store on a registry repository unless it is there already: HEAD,
+    then a cross-repository mount where this store knows a source, then an upload. Thread-safe;
+    shared by :func:`push_artifact` and :class:`PipelinedPush`."""
+
+    def __init__(self, store: OciStore, client: RegistryClient, target: RemoteRef, prog: Progress) -> None:
+        self.store, self.client, self.repo, self.prog = store, client, target.repository, prog
+        self.mounts = _mount_sources(store, target)
+        self.stats = {"uploaded": 0, "skipped": 0, "mounted": 0}
+        self.on_registry: set[str] = set()  # blobs this push saw on the registry or put there
+        self._lock = threading.Lock()
+
+    def send(self, bd: Descriptor) -> None:
+        with self._lock:
+            if bd.digest in self.on_registry:
+                return
+        if self.client.blob_exists(self.repo, bd.digest):
+            self._done(bd, "skipped")
+            return
+        upload_url = None
+        if bd.digest in self.mounts:
+            mounted, upload_url = self.client.try_mount(self.repo, bd.digest, self.mounts[bd.digest])
+            if mounted:
+                self._done(bd, "skipped", mounted=True)
+                return
+        self.prog.add_total(bd.size)
+        self.client.upload_blob(self.repo, bd, blob_opener(self.store, bd.digest), self.prog, upload_url)
+        self._done(bd, "uploaded")
+
+    def forget(self) -> None:
+        """After a BLOB_UNKNOWN answer: ask the registry about every blob again."""
+        with self._lock:
+            self.on_registry.clear()
+
+    def _done(self, bd: Descriptor, how: str, *, mounted: bool = False) -> None:
+        with self._lock:
+            if bd.digest in self.on_registry:
+                return
+            self.on_registry.add(bd.digest)
+            self.stats[how] += bd.size
+            self.stats["mounted"] += int(mounted)
+
+
 def push_artifact(
     store: OciStore,
     ref: str,
@@ -578,7 +658,10 @@ def push_artifact(
     progress: Progress | None = None,
     subject: str | None = None,
     client: RegistryClient | None = None,
+    sender: "_BlobSender | None" = None,
 ) -> Any:
+    """``sender``: the one a :class:`PipelinedPush` used while the checkpoint was stored; the
+    blobs it already put on the registry are not asked about again."""
     from gpusnap.packaging.api import PushResult
 
     started = time.monotonic()
@@ -588,7 +671,7 @@ def push_artifact(
     desc = store.resolve(ref)
     manifest_bytes = store.read_bytes(desc.digest)
     manifest = json.loads(manifest_bytes)
-    client = client or RegistryClient(target.registry, insecure=insecure)
+    client = client or (sender.client if sender is not None else RegistryClient(target.registry, insecure=insecure))
     repo = target.repository
     subject_desc: Descriptor | None = None
     if subject:
@@ -611,32 +694,12 @@ def push_artifact(
     for bd in blobs.values():
         if not store.has_blob(bd.digest):
             raise NotFoundError(f"blob {bd.digest} of {ref} is missing from the store; pull or store the checkpoint again")
-    mounts = _mount_sources(store, target)
-    own_progress = progress is None
-    prog = progress or default_progress(f"push {target}")
-    stats = {"uploaded": 0, "skipped": 0, "mounted": 0}
-    stats_lock = threading.Lock()
-
-    def one(bd: Descriptor) -> None:
-        if client.blob_exists(repo, bd.digest):
-            with stats_lock:
-                stats["skipped"] += bd.size
-            return
-        upload_url = None
-        if bd.digest in mounts:
-            mounted, upload_url = client.try_mount(repo, bd.digest, mounts[bd.digest])
-            if mounted:
-                with stats_lock:
-                    stats["skipped"] += bd.size
-                    stats["mounted"] += 1
-                return
-        prog.add_total(bd.size)
-        client.upload_blob(repo, bd, store.blob_path(bd.digest), prog, upload_url)
-        with stats_lock:
-            stats["uploaded"] += bd.size
+    own_progress = progress is None and sender is None
+    prog = sender.prog if sender is not None else (progress or default_progress(f"push {target}"))
+    sender = sender or _BlobSender(store, client, target, prog)
 
     try:
-        _parallel(one, list(blobs.values()), client.workers)
+        _parallel(sender.send, list(blobs.values()), client.workers)
         for attempt in range(3):
             try:
                 r = client.put_manifest(repo, target.tag or "latest", manifest_bytes, manifest.get("mediaType", MEDIA_OCI_MANIFEST))
@@ -648,7 +711,8 @@ def push_artifact(
                 if "BLOB_UNKNOWN" not in str(exc) or attempt == 2:
                     raise
                 time.sleep(client.backoff_s * (attempt + 1))
-                _parallel(one, list(blobs.values()), client.workers)
+                sender.forget()
+                _parallel(sender.send, list(blobs.values()), client.workers)
         got = r.headers.get("Docker-Content-Digest")
         if got and got != desc.digest:
             raise IntegrityError(f"{target.registry} stored the manifest as {got}, expected {desc.digest}")
@@ -662,8 +726,73 @@ def push_artifact(
         if own_progress:
             prog.close()
     remember_remote(store, desc.digest, target)
+    stats = sender.stats
     return PushResult(str(target), desc.digest, stats["uploaded"], stats["skipped"], stats["mounted"], len(blobs),
                       time.monotonic() - started)
+
+
+class PipelinedPush:
+    """``checkpoint --push`` without waiting for the whole store: each blob goes to the
+    registry as soon as the store has committed it (``on_blob``), on a bounded pool of upload
+    threads, while the store goes on with the next ones; :meth:`finish` then sends whatever is
+    left and the manifest, last, so the registry has a tag only when every blob is there.
+
+    A failed upload makes the next ``on_blob`` raise it, which stops the store (the checkpoint
+    step list then rolls back); :meth:`cancel` waits for the uploads in flight and drops the
+    rest. Blobs uploaded before a failure stay on the registry untagged (its own garbage
+    collection removes them); a later push finds them with HEAD.
+    """
+
+    def __init__(self, store: OciStore, remote: str, *, insecure: bool = False, progress: Progress | None = None,
+                 client: RegistryClient | None = None) -> None:
+        self.store = store
+        self.remote = remote
+        self.target = RemoteRef.parse(remote)
+        if self.target.digest and not self.target.tag:
+            raise UsageError(f"push needs a tag, not a digest: {remote}")
+        client = client or RegistryClient(self.target.registry, insecure=insecure)
+        self._own_progress = progress is None
+        self.sender = _BlobSender(store, client, self.target, progress or default_progress(f"push {self.target}"))
+        self._pool = ThreadPoolExecutor(max_workers=client.workers, thread_name_prefix="gpusnap-push")
+        self._futures: list[Any] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def on_blob(self, desc: Descriptor) -> None:
+        """The store committed ``desc`` (called on the store's thread): queue its upload."""
+        with self._lock:
+            for f in self._futures:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+            self._futures = [f for f in self._futures if not f.done()] + [self._pool.submit(self.sender.send, desc)]
+
+    def finish(self, ref: str, subject: str | None = None) -> Any:
+        """Wait for the uploads, send what the store made last, then the manifest: the PushResult."""
+        try:
+            self._wait()
+            return push_artifact(self.store, ref, self.remote, subject=subject, sender=self.sender)
+        finally:
+            self.close()
+
+    def _wait(self) -> None:
+        with self._lock:
+            futures = list(self._futures)
+        for f in futures:
+            f.result()
+
+    def cancel(self) -> None:
+        with self._lock:
+            for f in self._futures:
+                f.cancel()
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._own_progress:
+            self.sender.prog.close()
 
 
 def _parallel(fn: Callable[[Descriptor], Any], items: list[Descriptor], workers: int) -> list[Any]:
