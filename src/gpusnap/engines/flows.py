@@ -390,20 +390,36 @@ def restore(
             if source.startswith(("/", "./", "../", "~")) or ("/" not in source and ":" not in source and "@" not in source):
                 raise NotFoundError(f"{source} is neither a file nor a reference like host/repo:tag; check the path or reference")
             api = packaging_api()
+            remote = None
             if not _in_store(api, settings, source):
-                # Refuse before the pull changes the store: the artifact's config (its
-                # metadata) is a small blob read straight from the registry.
+                # Refuse before anything is downloaded or the store changes: the artifact's
+                # config (its metadata) is a small blob read straight from the registry.
                 progress(f"checking {source}")
-                require_compatible(_remote_metadata(source, insecure, decryption), facts, what=source)
-            ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
-            info = api.inspect(settings.store_dir, ref, **keys)
-            if decryption and not any(str(layer.media_type).endswith("+encrypted") for layer in info.layers):
-                _refuse_plain(source)
-            form = _artifact_form(info)
-            meta = _artifact_metadata(info)
-            require_compatible(meta, facts, what=source)
-            progress(f"unpacking {source}")
-            local = Path(api.materialize_checkpoint(settings.store_dir, ref, work / "checkpoint", form=form, **keys))
+                if hasattr(api, "open_remote"):
+                    remote = api.open_remote(source, insecure=insecure)
+                if remote is not None and remote.direct:
+                    if decryption:
+                        _refuse_plain(source)  # direct means plain: refused before anything is downloaded
+                    require_compatible(_config_metadata(remote.config), facts, what=source)
+                else:
+                    require_compatible(_remote_metadata(source, insecure, decryption), facts, what=source)
+            if remote is not None and remote.direct:
+                # A directory checkpoint straight from the registry into the image directory:
+                # each byte written once, verified as it lands (packaging.fetch).
+                form = str(remote.config["form"])
+                progress(f"pulling {source} into the checkpoint directory")
+                with _transfer(progress, f"pull {source}") as bar:
+                    local = Path(api.fetch_into(settings.store_dir, remote, work / "checkpoint", progress=bar).dest)
+            else:
+                ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
+                info = api.inspect(settings.store_dir, ref, **keys)
+                if decryption and not any(str(layer.media_type).endswith("+encrypted") for layer in info.layers):
+                    _refuse_plain(source)
+                form = _artifact_form(info)
+                meta = _artifact_metadata(info)
+                require_compatible(meta, facts, what=source)
+                progress(f"unpacking {source}")
+                local = Path(api.materialize_checkpoint(settings.store_dir, ref, work / "checkpoint", form=form, **keys))
         eng = engine_for_form(form, settings) if engine == "auto" else make_engine(engine, settings)
         if eng.form != form:
             raise UsageError(f"{source} is a {form} checkpoint, which the {eng.name} engine cannot restore; use --engine auto")

@@ -31,6 +31,8 @@ __all__ = [
     "pull",
     "push",
     "start_push",
+    "open_remote",
+    "fetch_into",
     "remove",
     "gc",
     "store_checkpoint",
@@ -113,7 +115,7 @@ def store_checkpoint(
     compress: bool = False,
     parent: str | None = None,
     encryption: EncryptionConfig | None = None,
-    on_blob: Callable[[Descriptor], None] | None = None,
+    on_blob: Callable[[Descriptor, Path], None] | None = None,
 ) -> StoredCheckpoint:
     """Package a checkpoint (directory or podman archive) as an artifact tagged ``ref`` in the store.
 
@@ -454,6 +456,25 @@ def start_push(store_dir: Path, remote: str, *, insecure: bool = False, progress
     from gpusnap.packaging.registry import PipelinedPush
 
     return PipelinedPush(OciStore(Path(store_dir)), remote, insecure=insecure, progress=progress)
+
+
+def open_remote(remote: str, *, insecure: bool = False) -> Any:
+    """A checkpoint in a registry with its manifest and config fetched and verified, nothing
+    else (gpusnap.packaging.fetch.RemoteCheckpoint): its ``config`` for the host check, and
+    ``direct`` — whether :func:`fetch_into` can restore it without a pull."""
+    from gpusnap.packaging.fetch import open_remote as _open
+
+    return _open(remote, insecure=insecure)
+
+
+def fetch_into(store_dir: Path, remote: Any, dest: Path, *, progress: Progress | None = None) -> Any:
+    """Write the checkpoint ``remote`` (from :func:`open_remote`) as the image directory
+    ``dest`` straight from the registry: each byte written once, every blob and piece verified
+    as it lands, nothing at ``dest`` on failure. The store records only the manifest, the
+    config and where the blobs are. Returns a gpusnap.packaging.fetch.FetchResult."""
+    from gpusnap.packaging.fetch import fetch_into as _fetch
+
+    return _fetch(OciStore(Path(store_dir)), remote, dest, progress=progress)
 
 
 def pull(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None,

@@ -1,0 +1,616 @@
+"""Restore from a registry straight into the checkpoint image directory: the bytes are written once.
+
+``gpusnap pull`` then ``materialize`` writes every byte twice (into the store, then out of it
+into the image directory) and reads it back in between. A restore needs only the image
+directory, so :func:`fetch_into` downloads the blobs in parallel and writes each piece where it
+belongs in the directory as it streams in:
+
+* the manifest and the config come first (the config says which files the pieces make up and
+  is what the host check reads), each checked against its digest;
+* every chunk blob is downloaded on a pool of transfers, hashed as it streams, and its bytes
+  are decompressed (zstd pieces) and written with ``pwrite`` at their file offsets; the files
+  are created at their full size first, so runs of zero pages are left as holes (sparse)
+  rather than written;
+* a blob that appears several times (identical memory in two places) is downloaded once and
+  written to each place;
+* the CRIU control tar layer and the engine layer are downloaded into an unlinked temporary
+  file, checked, and only then extracted with the usual safe-tar rules (they are small; the
+  check before extraction means no member of a forged layer is ever unpacked);
+* interrupted downloads resume with a Range request from the byte they reached (the hash and
+  the decompressor simply carry on).
+
+Everything is written into a ``.partial-`` directory beside the destination, renamed into
+place only when every blob and piece has been verified; any failure removes it. The work
+directory holding it is named after the gpusnap process, so one left by a kill -9 is removed by
+the next run (gpusnap.engines.flows.work_dir). The store is not written during the download:
+afterwards it records only the manifest and the config, and the registry repository as the
+source of the blobs (see docs/artifact-format.md, "Restore from a registry").
+
+Memory is bounded by the number of transfers: each holds one receive buffer, and a zstd piece
+one decompression window and one output buffer.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import requests
+import zstandard
+
+from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, RegistryError, UsageError
+from gpusnap.packaging import artifact as fmt
+from gpusnap.packaging.progress import NullProgress, Progress
+from gpusnap.packaging.registry import (
+    RECV_SIZE,
+    RegistryClient,
+    RemoteRef,
+    _check_manifest_shape,
+    read_body_into,
+    remember_remote,
+)
+from gpusnap.packaging.safetar import check_member
+from gpusnap.packaging.store import MEDIA_DOCKER_LIST, MEDIA_OCI_INDEX, Descriptor, OciStore, sha256_digest
+
+DIRECT_FORMS = ("criu-dir", "docker-dir")  # forms whose checkpoint is a directory of files
+MAX_CONFIG = 16 << 20
+ZERO_BLOCK = 64 << 10  # runs of zeros this long (aligned in the piece) are left as holes
+_ZEROS = bytes(ZERO_BLOCK)
+OUT_SIZE = 1 << 20  # zstd output handed to the file writer at a time
+
+
+# ---- what to write where ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    """``stored_length`` bytes at ``blob_offset`` of a blob, which are (after zstd when
+    ``compressed``) the ``raw_length`` bytes at ``file_offset`` of ``path``. ``digest``: the
+    sha256 of those stored bytes, where the format records one per piece (the whole blob's
+    digest is always checked)."""
+
+    path: str
+    file_offset: int
+    blob_offset: int
+    stored_length: int
+    raw_length: int
+    compressed: bool
+    digest: str | None = None
+
+
+@dataclass
+class BlobPlan:
+    desc: Descriptor
+    placements: list[Placement] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    tar_layers: list[Descriptor]
+    blobs: list[BlobPlan]
+    files: list[dict[str, Any]]  # the config's chunked-file records (path, size, mode, owner, mtime)
+
+
+def _int(value: Any, what: str) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise IntegrityError(f"{what} is {value!r}, not an integer; the artifact is corrupt") from None
+    if n < 0:
+        raise IntegrityError(f"{what} is negative ({n}); the artifact is corrupt")
+    return n
+
+
+def plan(manifest: dict[str, Any], config: dict[str, Any]) -> Plan:
+    """Where every byte of every chunk blob goes, checked for consistency before anything is
+    fetched: each listed file is covered exactly once, no piece lies outside its blob or file."""
+    layers = [Descriptor.from_dict(x) for x in manifest.get("layers", [])]
+    files = config.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        raise IntegrityError("the checkpoint config's file list is malformed; the artifact is corrupt")
+    sizes: dict[str, int] = {}
+    for f in files:
+        path = f.get("path")
+        if not isinstance(path, str) or path in sizes:
+            raise IntegrityError(f"the checkpoint config lists a bad or repeated file {path!r}; the artifact is corrupt")
+        check_member(tarfile.TarInfo(path), what="checkpoint config")
+        sizes[path] = _int(f.get("size"), f"size of {path}")
+    tar_layers = [d for d in layers if fmt.base_media(d.media_type) in (fmt.MEDIA_CRIU, fmt.MEDIA_ENGINE)]
+    by_digest: dict[str, BlobPlan] = {}
+    for d in layers:
+        if not fmt.is_chunk_media(d.media_type):
+            continue
+        a = d.annotations
+        path = a.get(fmt.A_FILE)
+        if path not in sizes:
+            raise IntegrityError(f"chunk {d.digest} belongs to {path!r}, which the config does not list; the artifact is corrupt")
+        bp = by_digest.setdefault(d.digest, BlobPlan(d))
+        if bp.desc.size != d.size:
+            raise IntegrityError(f"blob {d.digest} is listed with two sizes; the artifact is corrupt")
+        bp.placements.append(Placement(path, _int(a.get(fmt.A_OFFSET, 0), f"offset of {d.digest}"), 0, d.size,
+                                       _int(a.get(fmt.A_LENGTH), f"length of {d.digest}"), d.media_type.endswith(fmt.ZSTD_SUFFIX)))
+    _check_coverage(by_digest.values(), sizes)
+    return Plan(tar_layers, sorted(by_digest.values(), key=lambda b: -b.desc.size), files)
+
+
+def _check_coverage(blobs: Any, sizes: dict[str, int]) -> None:
+    ranges: dict[str, list[tuple[int, int]]] = {p: [] for p in sizes}
+    for bp in blobs:
+        for pl in bp.placements:
+            if pl.blob_offset + pl.stored_length > bp.desc.size:
+                raise IntegrityError(f"a piece of blob {bp.desc.digest} lies past its end; the artifact is corrupt")
+            if not pl.compressed and pl.stored_length != pl.raw_length:
+                raise IntegrityError(f"an uncompressed piece of blob {bp.desc.digest} has two lengths; the artifact is corrupt")
+            ranges[pl.path].append((pl.file_offset, pl.file_offset + pl.raw_length))
+    for path, rs in ranges.items():
+        at = 0
+        for start, end in sorted(rs):
+            if start != at:
+                raise IntegrityError(f"{path}: its pieces {'overlap' if start < at else 'leave a gap'} at byte {min(start, at)}; "
+                                     "the artifact is corrupt")
+            at = end
+        if at != sizes[path]:
+            raise IntegrityError(f"{path}: its pieces add up to {at} bytes, the config says {sizes[path]}; the artifact is corrupt")
+
+
+# ---- the remote artifact ----------------------------------------------------------------------
+@dataclass
+class RemoteCheckpoint:
+    """A checkpoint artifact in a registry, its manifest and config fetched and verified."""
+
+    ref: RemoteRef
+    client: RegistryClient
+    manifest_bytes: bytes
+    manifest_media: str
+    digest: str
+    manifest: dict[str, Any]
+    config_desc: Descriptor
+    config_bytes: bytes
+
+    @property
+    def encrypted(self) -> bool:
+        return self.config_desc.media_type.endswith("+encrypted")
+
+    @property
+    def config(self) -> dict[str, Any]:
+        try:
+            config = json.loads(self.config_bytes)
+        except (ValueError, RecursionError):
+            config = None
+        if not isinstance(config, dict):
+            raise GpusnapError(f"{self.ref} is not a gpusnap checkpoint (its config is not a JSON object); check the reference")
+        return config
+
+    @property
+    def direct(self) -> bool:
+        """Whether :func:`fetch_into` can write it (else: pull into the store, then materialize)."""
+        if self.encrypted or self.config_desc.media_type != fmt.MEDIA_CONFIG:
+            return False
+        config = self.config
+        return config.get("schemaVersion") == fmt.CONFIG_SCHEMA_VERSION and config.get("form") in DIRECT_FORMS
+
+
+def open_remote(remote: str, *, insecure: bool = False, client: RegistryClient | None = None) -> RemoteCheckpoint:
+    """Fetch and verify ``remote``'s manifest and config (nothing else)."""
+    ref = RemoteRef.parse(remote)
+    client = client or RegistryClient(ref.registry, insecure=insecure)
+    data, media, digest = client.get_manifest(ref.repository, ref.reference)
+    if media in (MEDIA_OCI_INDEX, MEDIA_DOCKER_LIST):
+        raise UsageError(f"{remote} is an index of several images, not a checkpoint; give one manifest by digest")
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError):
+        raise IntegrityError(f"manifest of {remote} is not JSON") from None
+    _check_manifest_shape(manifest, remote)
+    config_desc = Descriptor.from_dict(manifest["config"])
+    if config_desc.size > MAX_CONFIG:
+        raise GpusnapError(f"{remote}: the artifact's config is {config_desc.size} bytes, too large for checkpoint metadata")
+    r = client.request("GET", f"/v2/{ref.repository}/blobs/{config_desc.digest}", scope=f"repository:{ref.repository}:pull",
+                       headers={"Accept-Encoding": "identity"})
+    config_bytes = r.content
+    if sha256_digest(config_bytes) != config_desc.digest or len(config_bytes) != config_desc.size:
+        raise IntegrityError(f"the config blob of {remote} does not match its digest {config_desc.digest}; the registry served other bytes")
+    return RemoteCheckpoint(ref, client, data, media, digest, manifest, config_desc, config_bytes)
+
+
+# ---- writing pieces into files ----------------------------------------------------------------
+class _FileWriter:
+    """Writes one piece into an open file at its offset, leaving zero blocks as holes.
+
+    The file was created empty and truncated to its size, so a hole reads as zeros; a block is
+    written only when some byte of it is not zero. ``write`` takes the buffer and a range of it
+    (``bytes.startswith`` at an offset compares in place: no copy to find out it is all zeros).
+    """
+
+    def __init__(self, fd: int, offset: int, length: int, path: str) -> None:
+        self.fd, self.start, self.length, self.path = fd, offset, length, path
+        self.done = 0
+
+    def write_range(self, base: bytes | bytearray, start: int, end: int) -> None:
+        n = end - start
+        if self.done + n > self.length:
+            raise IntegrityError(f"a piece of {self.path} holds more than the {self.length} bytes the artifact says; refusing it")
+        at = self.start + self.done
+        i = start
+        while i < end:
+            k = min(ZERO_BLOCK, end - i)
+            if base.startswith(_ZEROS if k == ZERO_BLOCK else _ZEROS[:k], i):
+                i += k
+                continue
+            j = i + k
+            while j < end:  # extend the run of blocks that must be written
+                k2 = min(ZERO_BLOCK, end - j)
+                if base.startswith(_ZEROS if k2 == ZERO_BLOCK else _ZEROS[:k2], j):
+                    break
+                j += k2
+            _pwrite_all(self.fd, memoryview(base)[i:j], at + (i - start), self.path)
+            i = j
+        self.done += n
+
+    def write(self, data: bytes) -> int:  # zstd's stream_writer calls this with its output
+        self.write_range(data, 0, len(data))
+        return len(data)
+
+    def flush(self) -> None:  # zstd's stream_writer may call it; pwrite needs none
+        pass
+
+    def finish(self) -> None:
+        if self.done != self.length:
+            raise IntegrityError(f"a piece of {self.path} holds {self.done} bytes, the artifact says {self.length}; refusing it")
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
+    while len(view):
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise GpusnapError(f"no space left to write the checkpoint ({path}: {exc.strerror}); free space in the "
+                                   "gpusnap state directory, then try again") from None
+            raise GpusnapError(f"cannot write the checkpoint file {path}: {exc.strerror or exc}") from None
+        view, offset = view[n:], offset + n
+
+
+class _PieceSink:
+    """One placement of a blob being received: hashes its stored bytes (when the format gives
+    a per-piece digest) and writes them, decompressed if needed, at the file offset."""
+
+    def __init__(self, pl: Placement, fd: int) -> None:
+        self.pl = pl
+        self.file = _FileWriter(fd, pl.file_offset, pl.raw_length, pl.path)
+        self.hash = hashlib.sha256() if pl.digest else None
+        self.z = (zstandard.ZstdDecompressor().stream_writer(self.file, write_size=OUT_SIZE, closefd=False)  # type: ignore[arg-type]
+                  if pl.compressed else None)
+
+    def feed(self, base: bytearray, start: int, end: int) -> None:
+        if self.hash is not None:
+            self.hash.update(memoryview(base)[start:end])
+        if self.z is not None:
+            try:
+                self.z.write(memoryview(base)[start:end])
+            except zstandard.ZstdError as exc:
+                raise IntegrityError(f"a zstd piece of {self.pl.path} does not decompress ({exc}); refusing it") from None
+        else:
+            self.file.write_range(base, start, end)
+
+    def finish(self) -> None:
+        if self.z is not None:
+            try:
+                self.z.flush()
+            except zstandard.ZstdError as exc:
+                raise IntegrityError(f"a zstd piece of {self.pl.path} does not decompress ({exc}); refusing it") from None
+        self.file.finish()
+        if self.hash is not None and "sha256:" + self.hash.hexdigest() != self.pl.digest:
+            raise IntegrityError(f"a piece of {self.pl.path} does not match its digest {self.pl.digest}; refusing it")
+
+
+class _BlobRouter:
+    """Receives one blob's bytes in order and hands each range to the pieces that cover it;
+    checks the whole blob's digest and size at the end."""
+
+    def __init__(self, bp: BlobPlan, fds: dict[str, int]) -> None:
+        self.bp, self.fds = bp, fds
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over (a server that ignored a Range request sends the blob from byte 0)."""
+        self.size = 0
+        self.hash = hashlib.sha256()
+        self.todo = sorted(self.bp.placements, key=lambda p: p.blob_offset)
+        self.active: list[_PieceSink] = []
+
+    def take(self, base: bytearray, n: int) -> None:
+        self.hash.update(memoryview(base)[:n])
+        lo, hi = self.size, self.size + n
+        while self.todo and self.todo[0].blob_offset < hi:
+            pl = self.todo.pop(0)
+            self.active.append(_PieceSink(pl, self.fds[pl.path]))
+        still = []
+        for sink in self.active:
+            end = sink.pl.blob_offset + sink.pl.stored_length
+            s, e = max(lo, sink.pl.blob_offset), min(hi, end)
+            if s < e:
+                sink.feed(base, s - lo, e - lo)
+            if end <= hi:
+                sink.finish()
+            else:
+                still.append(sink)
+        self.active = still
+        self.size = hi
+
+    def finish(self) -> None:
+        desc = self.bp.desc
+        if "sha256:" + self.hash.hexdigest() != desc.digest or self.size != desc.size:
+            raise IntegrityError(f"blob {desc.digest} from the registry does not match its digest; refusing it (nothing of it is kept)")
+        for pl in self.todo:  # empty pieces at the very end of the blob
+            self.active.append(_PieceSink(pl, self.fds[pl.path]))
+        for sink in self.active:
+            sink.finish()
+
+
+class _TempSink:
+    """A tar layer received into an unlinked temporary file (gone with the process, whatever
+    kills it), checked before a single member is extracted."""
+
+    def __init__(self, desc: Descriptor, where: Path) -> None:
+        self.desc = desc
+        self.file: IO[bytes] = tempfile.TemporaryFile(dir=where)
+        self.reset()
+
+    def reset(self) -> None:
+        self.size = 0
+        self.hash = hashlib.sha256()
+        self.file.seek(0)
+        self.file.truncate()
+
+    def take(self, base: bytearray, n: int) -> None:
+        self.hash.update(memoryview(base)[:n])
+        try:
+            self.file.write(memoryview(base)[:n])
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise GpusnapError(f"no space left to receive layer {self.desc.digest} ({exc.strerror}); free space in the gpusnap "
+                                   "state directory, then try again") from None
+            raise
+        self.size += n
+
+    def finish(self) -> None:
+        if "sha256:" + self.hash.hexdigest() != self.desc.digest or self.size != self.desc.size:
+            raise IntegrityError(f"layer {self.desc.digest} from the registry does not match its digest; refusing it (nothing of it is extracted)")
+        self.file.seek(0)
+
+
+class _Aborted(Exception):
+    """Another transfer of the same fetch failed: stop this one."""
+
+
+@dataclass
+class FetchResult:
+    dest: Path
+    digest: str
+    form: str
+    bytes_received: int
+    blobs: int
+    seconds: float
+
+
+class _Fetch:
+    def __init__(self, rc: RemoteCheckpoint, progress: Progress) -> None:
+        self.rc, self.client, self.repo = rc, rc.client, rc.ref.repository
+        self.progress = progress
+        self.abort = threading.Event()
+        self.received = 0
+        self._lock = threading.Lock()
+
+    def stream(self, desc: Descriptor, sink: Any) -> None:
+        """Receive ``desc`` into ``sink`` (``size``, ``take``, ``reset``, ``finish``), resuming
+        with Range after a broken connection, then let the sink verify it."""
+        client = self.client
+        buf = bytearray(RECV_SIZE)
+        view = memoryview(buf)
+        failures = restarts = 0
+        while True:
+            headers = {"Accept-Encoding": "identity"}  # the digest is over the stored bytes
+            if sink.size:
+                headers["Range"] = f"bytes={sink.size}-"
+            try:
+                r = client.request("GET", f"/v2/{self.repo}/blobs/{desc.digest}", scope=f"repository:{self.repo}:pull", stream=True,
+                                   headers=headers, ok=(200, 206), allow=(404,))
+                with r:
+                    if r.status_code == 404:
+                        raise NotFoundError(f"blob {desc.digest} is missing from {self.rc.ref.registry}/{self.repo}")
+                    if sink.size and r.status_code == 200:  # the server ignored Range: start over
+                        restarts += 1
+                        if restarts > client.retries:
+                            raise RegistryError(f"download of {desc.digest} from {client.registry} kept breaking off and the registry "
+                                                "ignores Range; try again later")
+                        self.progress.advance(-sink.size)
+                        self._count(-sink.size)
+                        sink.reset()
+                    for n in read_body_into(r, view):
+                        if self.abort.is_set():
+                            raise _Aborted()
+                        if sink.size + n > desc.size:
+                            raise IntegrityError(f"blob {desc.digest} from {client.registry} is larger than its descriptor says; refusing it")
+                        sink.take(buf, n)
+                        self.progress.advance(n)
+                        self._count(n)
+                if sink.size < desc.size:
+                    raise requests.ConnectionError(f"stream ended at {sink.size} of {desc.size} bytes")
+                break
+            except requests.RequestException as exc:
+                failures += 1
+                if failures >= client.retries:
+                    raise RegistryError(f"download of {desc.digest} from {client.registry} failed: {exc}") from None
+                time.sleep(client.backoff_s * (2 ** (failures - 1)))
+        sink.finish()
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.received += n
+
+
+def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: Progress | None = None) -> FetchResult:
+    """Write the checkpoint ``rc`` as its image directory ``dest``, straight from the registry.
+
+    ``dest`` must not exist or be empty. Every blob and piece is verified; on any failure
+    nothing is left at ``dest`` and the store is as it was. On success the store records the
+    manifest and config and where the blobs are (no blob data: see docs/artifact-format.md).
+    """
+    started = time.monotonic()
+    if not rc.direct:
+        raise UsageError(f"{rc.ref} cannot be written straight into a directory (encrypted, or not a directory checkpoint); pull it")
+    config = rc.config
+    pl = plan(rc.manifest, config)
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UsageError(f"{dest} already exists and is not an empty directory; choose a new path")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    prog = progress or NullProgress()
+    prog.add_total(sum(d.size for d in pl.tar_layers) + sum(b.desc.size for b in pl.blobs))
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
+    fds: dict[str, int] = {}
+    fetch = _Fetch(rc, prog)
+    try:
+        for f in pl.files:
+            fds[f["path"]] = _create_sparse(tmp, f["path"], int(f["size"]))
+        chunk_names = set(fds)
+
+        def tar_job(desc: Descriptor) -> None:
+            sink = _TempSink(desc, dest.parent)
+            try:
+                fetch.stream(desc, sink)
+                _extract(sink.file, desc, tmp, chunk_names)
+            finally:
+                sink.file.close()
+
+        def blob_job(bp: BlobPlan) -> None:
+            fetch.stream(bp.desc, _BlobRouter(bp, fds))
+
+        jobs: list[Callable[[], None]] = [lambda d=d: tar_job(d) for d in pl.tar_layers]
+        jobs += [lambda b=b: blob_job(b) for b in pl.blobs]
+        _run_all(jobs, rc.client.workers, fetch.abort)
+        for f in pl.files:
+            os.close(fds.pop(f["path"]))
+            _set_attributes(tmp, f)
+        if dest.exists():
+            dest.rmdir()
+        os.replace(tmp, dest)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _record(store, rc)
+    return FetchResult(dest, rc.digest, str(config.get("form")), fetch.received, len(pl.tar_layers) + len(pl.blobs),
+                       time.monotonic() - started)
+
+
+def _run_all(jobs: list[Callable[[], None]], workers: int, abort: threading.Event) -> None:
+    """Run ``jobs`` on ``workers`` threads; the first failure stops the others and is raised."""
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+        futures = [pool.submit(j) for j in jobs]
+        first: BaseException | None = None
+        for f in futures:
+            try:
+                f.result()
+            except _Aborted:
+                continue
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, once the others stopped
+                if first is None:
+                    first = exc
+                    abort.set()
+                    for g in futures:
+                        g.cancel()
+        if first is not None:
+            raise first
+
+
+def _inside(root: Path, name: str) -> Path:
+    """``root/name`` for a checked member name, its parent directories created, refusing a
+    parent that resolves outside ``root`` through a symlink."""
+    name = check_member(tarfile.TarInfo(name), what="checkpoint")
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    real_root = os.path.realpath(root)
+    parent = os.path.realpath(path.parent)
+    if parent != real_root and not parent.startswith(real_root + os.sep):
+        raise IntegrityError(f"checkpoint entry {name!r} would be written outside the destination through a symlink; refusing it")
+    return path
+
+
+def _create_sparse(root: Path, name: str, size: int) -> int:
+    path = _inside(root, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)  # a hole: the zero blocks are never written
+    except OSError as exc:
+        os.close(fd)
+        raise GpusnapError(f"cannot create the checkpoint file {name} ({size} bytes): {exc.strerror}; check the space in the gpusnap "
+                           "state directory") from None
+    return fd
+
+
+def _set_attributes(root: Path, f: dict[str, Any]) -> None:
+    try:
+        info = fmt._file_info(f)
+    except (KeyError, TypeError, ValueError):
+        raise IntegrityError(f"checkpoint config lists a malformed file entry {str(f)[:100]}; the artifact is corrupt") from None
+    path = root / f["path"]
+    os.chmod(path, info.mode & 0o777, follow_symlinks=False)
+    if os.geteuid() == 0:
+        os.chown(path, info.uid, info.gid, follow_symlinks=False)
+    os.utime(path, (info.mtime, info.mtime), follow_symlinks=False)
+
+
+def _extract(file: IO[bytes], desc: Descriptor, root: Path, reserved: set[str]) -> None:
+    """Unpack a verified tar layer under ``root`` with the safe-tar checks of every other path."""
+    stream: Any = file
+    if desc.media_type.endswith(fmt.ZSTD_SUFFIX):
+        stream = zstandard.ZstdDecompressor().stream_reader(file, read_across_frames=True, closefd=False)
+    try:
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            for m in tar:
+                name = check_member(m, what=f"layer {desc.digest}")
+                if name == ".":
+                    continue
+                if name in reserved:
+                    raise IntegrityError(f"layer {desc.digest} holds {name}, which the artifact also lists as a chunked file; refusing it")
+                m.name = name
+                fmt._write_entry(root, m, tar.extractfile(m) if m.isreg() else None)
+    except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+        raise IntegrityError(f"layer {desc.digest} is not a readable tar ({exc}); the artifact is corrupt") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise GpusnapError(f"no space left to unpack the checkpoint ({exc.strerror}); free space in the gpusnap state directory") from None
+        raise
+
+
+def _record(store: OciStore, rc: RemoteCheckpoint) -> None:
+    """What the store keeps of a checkpoint restored from a registry: its manifest and config
+    (small, verified) and, in remotes.json, the repository that holds its blobs. A later push
+    to another repository of that registry mounts those blobs from there instead of uploading
+    them, and one to the same repository finds them with HEAD. This is a hint, not part of the
+    restore: a store that cannot take it (full disk) leaves the restore as it is."""
+    try:
+        with store.writing():
+            try:
+                store.put_bytes(rc.config_bytes, rc.config_desc.digest)
+                store.put_bytes(rc.manifest_bytes, rc.digest)
+                store.publish()
+            except BaseException:
+                store.discard_pending()
+                raise
+        remember_remote(store, rc.digest, rc.ref)
+    except (GpusnapError, OSError):
+        pass

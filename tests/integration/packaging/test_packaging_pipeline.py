@@ -1,0 +1,203 @@
+"""checkpoint --push's pipelined upload and restore straight from a registry, on a real registry.
+
+The pipelined push uploads each blob as the store commits it (store_checkpoint's on_blob) and
+puts the manifest last; fetch_into writes the blobs' pieces straight into the image directory.
+Faults: the registry dies in the middle of a download (the fetch resumes), a blob in the
+registry's storage is corrupt (refused, nothing left), the disk is full (a small tmpfs).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from stack.registry import Registry
+
+from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError
+from gpusnap.packaging import api
+from gpusnap.packaging.fetch import open_remote
+from gpusnap.packaging.progress import CountingProgress, NullProgress
+from gpusnap.packaging.registry import RegistryClient
+from gpusnap.packaging.store import OciStore
+from gpusnap.packaging.verify import verify_store
+
+pytestmark = pytest.mark.integration
+
+
+def _checkpoint_dir(path: Path, mib: int, seed: int = 7) -> Path:
+    """A CRIU-like directory: a pages file with random memory, a zero run and a repeated
+    region (one blob written to two places), a large non-pages file, small control files."""
+    path.mkdir(parents=True)
+    rnd = random.Random(seed)
+    block = rnd.randbytes(8 << 20)
+    with open(path / "pages-1.img", "wb") as f:
+        f.write(rnd.randbytes((mib - 24) << 20))
+        f.write(bytes(8 << 20))  # zeros: left as a hole
+        f.write(block)
+        f.write(block)
+    (path / "pages-2.img").write_bytes(b"")
+    (path / "pstree.img").write_bytes(b"\x19\x43\x56\x54\x30\x30\x27\x50")
+    (path / "core-1.img").write_bytes(rnd.randbytes(5000))
+    (path / "sub").mkdir()
+    (path / "sub" / "big.bin").write_bytes(rnd.randbytes(33 << 20))  # >= 32 MiB: chunked as data
+    os.chmod(path / "core-1.img", 0o640)
+    return path
+
+
+def files_of(root: Path) -> dict[str, tuple[bytes, int]]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(root))] = (p.read_bytes(), p.stat().st_mode & 0o777)
+    return out
+
+
+def _pipelined_push(store: Path, src: Path, ref: str, remote: str, compress: bool, progress: object = None) -> object:
+    pipe = api.start_push(store, remote, insecure=True, progress=progress)
+    seen: list[str] = []
+
+    def on_blob(d: object, path: Path) -> None:
+        seen.append(d.digest)  # type: ignore[attr-defined]
+        assert path.is_file()
+        pipe.on_blob(d, path)
+
+    try:
+        api.store_checkpoint(store, src, form="criu-dir", ref=ref, compress=compress, on_blob=on_blob)
+    except BaseException:
+        pipe.cancel()
+        raise
+    result = pipe.finish(ref)
+    manifest = OciStore(store).manifest(OciStore(store).resolve(ref).digest)
+    # on_blob saw every layer and the config before the manifest was put.
+    assert set(seen) == {manifest["config"]["digest"], *(d["digest"] for d in manifest["layers"])}
+    return result
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "zstd"])
+def test_pipelined_push_then_direct_restore_is_bit_exact(tmp_path: Path, registry: Registry, compress: bool) -> None:
+    src = _checkpoint_dir(tmp_path / "ck", 80)
+    store = tmp_path / "store"
+    remote = f"{registry.host}/gs-pkg/pipe:v1"
+    result = _pipelined_push(store, src, "gs-pkg/pipe", remote, compress)
+    assert result.uploaded_bytes > 0 and result.digest == OciStore(store).resolve("gs-pkg/pipe").digest
+
+    # A second pipelined push of the same checkpoint to the same repository uploads only its
+    # config (its creation time differs): every layer is found with HEAD.
+    again = _pipelined_push(tmp_path / "store-b", src, "gs-pkg/pipe", f"{registry.host}/gs-pkg/pipe:v2", compress)
+    assert again.uploaded_bytes < 64 << 10 and again.skipped_bytes >= result.uploaded_bytes - (64 << 10)
+
+    target = tmp_path / "store2"
+    rc = open_remote(remote, insecure=True)
+    assert rc.direct and rc.digest == result.digest
+    prog = CountingProgress()
+    out = api.fetch_into(target, rc, tmp_path / "work" / "checkpoint", progress=prog)
+    assert files_of(out.dest) == files_of(src)
+    assert prog.done == prog.total and out.bytes_received == prog.total
+    # The zero run was not written: the pages file takes less space than its size.
+    pages = out.dest / "pages-1.img"
+    assert pages.stat().st_blocks * 512 <= pages.stat().st_size - (4 << 20)
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["checkpoint"]
+    # The store keeps the manifest and the config, no blob data, no tag.
+    s2 = OciStore(target)
+    assert s2.tags() == [] and s2.has_blob(rc.digest) and s2.has_blob(rc.config_desc.digest)
+    assert sum(p.stat().st_size for p in s2.blobs_dir.iterdir()) < 1 << 20
+    assert verify_store(s2).ok
+
+
+class _KillAfter(NullProgress):
+    """Kills the registry once ``limit`` bytes moved, restarts it ``pause`` s later."""
+
+    def __init__(self, reg: Registry, limit: int, pause: float) -> None:
+        self.reg, self.limit, self.pause = reg, limit, pause
+        self.moved = 0
+        self.killed = threading.Event()
+        self._lock = threading.Lock()
+
+    def advance(self, n: int) -> None:
+        with self._lock:
+            self.moved += n
+            if self.moved < self.limit or self.killed.is_set():
+                return
+            self.killed.set()
+        self.reg.kill()
+        threading.Timer(self.pause, self.reg.start).start()
+
+
+def test_direct_restore_resumes_after_registry_restart(tmp_path: Path, registry: Registry) -> None:
+    src = _checkpoint_dir(tmp_path / "ck", 96, seed=11)
+    store = tmp_path / "store"
+    remote = f"{registry.host}/gs-pkg/resume-fetch:v1"
+    _pipelined_push(store, src, "gs-pkg/resume-fetch", remote, compress=True)
+    client = RegistryClient(registry.host, insecure=True, retries=8, backoff_s=0.3, workers=3)
+    rc = open_remote(remote, client=client)
+    killer = _KillAfter(registry, 40 << 20, pause=1.0)
+    out = api.fetch_into(tmp_path / "store2", rc, tmp_path / "out", progress=killer)
+    assert killer.killed.is_set()
+    assert files_of(out.dest) == files_of(src)
+
+
+def test_corrupt_blob_is_refused_and_nothing_is_left(tmp_path: Path, registry: Registry) -> None:
+    src = _checkpoint_dir(tmp_path / "ck", 40, seed=5)
+    store = tmp_path / "store"
+    remote = f"{registry.host}/gs-pkg/bad-fetch:v1"
+    _pipelined_push(store, src, "gs-pkg/bad-fetch", remote, compress=False)
+    layer = next(d for d in api.inspect(store, "gs-pkg/bad-fetch").layers if d.role == "pages")
+    data_file = registry.root / "data" / "docker" / "registry" / "v2" / "blobs" / "sha256" / layer.digest[7:9] / layer.digest[7:] / "data"
+    raw = bytearray(data_file.read_bytes())
+    raw[1000:1010] = b"0123456789"  # same size, other bytes
+    data_file.write_bytes(bytes(raw))
+
+    work = tmp_path / "work"
+    work.mkdir()
+    rc = open_remote(remote, insecure=True)
+    with pytest.raises(IntegrityError, match="does not match its digest"):
+        api.fetch_into(tmp_path / "store2", rc, work / "checkpoint")
+    assert list(work.iterdir()) == []  # neither the image directory nor a partial one
+    s2 = OciStore(tmp_path / "store2")
+    assert s2.tags() == [] and list(s2.blobs_dir.iterdir()) == [] and list(s2.ingest_dir.iterdir()) == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_during_direct_restore_leaves_store_and_work_dir_clean(tmp_path: Path, registry: Registry, small_tmpfs: Path) -> None:
+    src = _checkpoint_dir(tmp_path / "ck", 64, seed=9)
+    remote = f"{registry.host}/gs-pkg/enospc-fetch:v1"
+    _pipelined_push(tmp_path / "store", src, "gs-pkg/enospc-fetch", remote, compress=False)
+    store = small_tmpfs / "store"
+    work = small_tmpfs / "work"
+    work.mkdir()
+    rc = open_remote(remote, insecure=True)
+    with pytest.raises(GpusnapError, match="no space left"):
+        api.fetch_into(store, rc, work / "checkpoint")
+    assert list(work.iterdir()) == []
+    s2 = OciStore(store)
+    assert s2.tags() == [] and list(s2.blobs_dir.iterdir()) == [] and list(s2.ingest_dir.iterdir()) == []
+    assert verify_store(s2).ok
+    assert os.statvfs(small_tmpfs).f_bfree * os.statvfs(small_tmpfs).f_frsize > 40 << 20  # everything written was removed
+
+
+def test_full_disk_during_pipelined_push_leaves_no_tag_on_the_registry(tmp_path: Path, registry: Registry, small_tmpfs: Path) -> None:
+    src = _checkpoint_dir(tmp_path / "ck", 80, seed=13)
+    store = small_tmpfs / "store"
+    remote = f"{registry.host}/gs-pkg/enospc-push:v1"
+    with pytest.raises(GpusnapError, match="no space left"):
+        _pipelined_push(store, src, "gs-pkg/enospc-push", remote, compress=False)
+    with pytest.raises(NotFoundError):
+        open_remote(remote, insecure=True)
+    s = OciStore(store)
+    assert s.tags() == [] and list(s.ingest_dir.iterdir()) == []
+    assert verify_store(s).ok
