@@ -447,6 +447,8 @@ def _refuse_plain(source: str) -> None:
 def _in_store(api: Any, settings: Settings, ref: str) -> bool:
     if not (settings.store_dir / "index.json").is_file():
         return False  # asking the store would create an empty one
+    if hasattr(api, "has_checkpoint"):  # not a checkpoint restored from a registry: its blobs are there
+        return bool(api.has_checkpoint(settings.store_dir, ref))
     try:
         api.inspect(settings.store_dir, ref)
         return True
@@ -528,11 +530,8 @@ def _proc_fields(p: dict[str, Any]) -> dict[str, Any]:
 
 def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progress: Progress, **keys: Any) -> str:
     """The reference in the local store, pulling it (only missing blobs) when it is not there."""
-    try:
-        api.inspect(settings.store_dir, ref)
+    if _in_store(api, settings, ref):
         return ref
-    except NotFoundError:
-        pass
     progress(f"pulling {ref}")
     with _transfer(progress, f"pull {ref}") as bar:
         pulled = api.pull(settings.store_dir, ref, insecure=insecure, progress=bar, **keys)

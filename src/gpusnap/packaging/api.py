@@ -31,6 +31,7 @@ __all__ = [
     "pull",
     "push",
     "start_push",
+    "has_checkpoint",
     "open_remote",
     "fetch_into",
     "remove",
@@ -292,7 +293,16 @@ def inspect(store_dir: Path, ref: str, *, decryption: DecryptionKeys | None = No
     """What the artifact ``ref`` holds. An encrypted one shows its full config only with
     ``decryption``; without it, what its manifest annotations say (form, engine, host)."""
     store = OciStore(Path(store_dir))
-    desc = store.resolve(ref)
+    try:
+        desc = store.resolve(ref)
+    except NotFoundError:
+        # Restored straight from a registry: the store has its manifest and config only.
+        from gpusnap.packaging.fetch import find_restored
+
+        found = find_restored(store, ref)
+        if found is None:
+            raise
+        desc = found
     manifest = store.manifest(desc.digest)
     from gpusnap.packaging import encrypted
 
@@ -350,8 +360,30 @@ def tag(store_dir: Path, ref: str, new_ref: str) -> str:
 
 
 def remove(store_dir: Path, ref: str) -> str:
-    """Untag ``ref`` (blobs stay until :func:`gc`, which keeps those other tags still use)."""
-    return OciStore(Path(store_dir)).untag(ref).digest
+    """Untag ``ref`` (blobs stay until :func:`gc`, which keeps those other tags still use), or
+    forget the record of a checkpoint restored straight from a registry."""
+    store = OciStore(Path(store_dir))
+    try:
+        return store.untag(ref).digest
+    except NotFoundError:
+        from gpusnap.packaging.fetch import forget_restored
+
+        desc = forget_restored(store, ref)
+        if desc is None:
+            raise
+        return desc.digest
+
+
+def has_checkpoint(store_dir: Path, ref: str) -> bool:
+    """Whether ``ref`` is a whole checkpoint in the store (a tag; a checkpoint restored
+    straight from a registry, whose blobs are not here, is not)."""
+    if not (Path(store_dir) / "index.json").is_file():
+        return False  # asking the store would create an empty one
+    try:
+        OciStore(Path(store_dir)).resolve(ref)
+        return True
+    except NotFoundError:
+        return False
 
 
 def gc(store_dir: Path) -> tuple[int, int]:

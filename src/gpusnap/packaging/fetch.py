@@ -62,7 +62,15 @@ from gpusnap.packaging.registry import (
     remember_remote,
 )
 from gpusnap.packaging.safetar import check_member
-from gpusnap.packaging.store import MEDIA_DOCKER_LIST, MEDIA_OCI_INDEX, Descriptor, OciStore, sha256_digest
+from gpusnap.packaging.store import (
+    MEDIA_DOCKER_LIST,
+    MEDIA_OCI_INDEX,
+    MEDIA_OCI_MANIFEST,
+    RESTORED_FILE,
+    Descriptor,
+    OciStore,
+    sha256_digest,
+)
 
 DIRECT_FORMS = ("criu-dir", "docker-dir")  # forms whose checkpoint is a directory of files
 MAX_CONFIG = 16 << 20
@@ -598,10 +606,13 @@ def _extract(file: IO[bytes], desc: Descriptor, root: Path, reserved: set[str]) 
 
 def _record(store: OciStore, rc: RemoteCheckpoint) -> None:
     """What the store keeps of a checkpoint restored from a registry: its manifest and config
-    (small, verified) and, in remotes.json, the repository that holds its blobs. A later push
-    to another repository of that registry mounts those blobs from there instead of uploading
-    them, and one to the same repository finds them with HEAD. This is a hint, not part of the
-    restore: a store that cannot take it (full disk) leaves the restore as it is."""
+    (small, verified), a record ``ref → manifest, source repository`` in restored.json (not a
+    tag: nothing may take the artifact for a whole local one), and the repository in
+    remotes.json. ``inspect REF`` reads them; a later push to another repository of that
+    registry mounts the blobs from there instead of uploading them, and one to the same
+    repository finds them with HEAD. This is a record, not part of the restore: a store that
+    cannot take it (full disk) leaves the restore as it is."""
+    local_ref = str(RemoteRef(rc.ref.registry, rc.ref.repository, rc.ref.tag, None if rc.ref.tag else rc.ref.digest))
     try:
         with store.writing():
             try:
@@ -611,6 +622,46 @@ def _record(store: OciStore, rc: RemoteCheckpoint) -> None:
             except BaseException:
                 store.discard_pending()
                 raise
+            manifest_desc = Descriptor(rc.manifest_media or MEDIA_OCI_MANIFEST, rc.digest, len(rc.manifest_bytes),
+                                       artifact_type=rc.manifest.get("artifactType"))
+            with store._index_lock():
+                records = _read_records(store)
+                records[local_ref] = {"manifest": manifest_desc.to_dict(), "source": f"{rc.ref.registry}/{rc.ref.repository}"}
+                store._atomic_write(store.root / RESTORED_FILE, json.dumps(records, indent=1, sort_keys=True).encode())
         remember_remote(store, rc.digest, rc.ref)
     except (GpusnapError, OSError):
         pass
+
+
+def _read_records(store: OciStore) -> dict[str, Any]:
+    try:
+        data = json.loads((store.root / RESTORED_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def find_restored(store: OciStore, ref: str) -> Descriptor | None:
+    """The manifest of ``ref`` if it was restored straight from a registry into this host."""
+    rec = _read_records(store).get(str(RemoteRef.parse(ref)) if "/" in ref else ref)
+    if not isinstance(rec, dict):
+        return None
+    try:
+        desc = Descriptor.from_dict(rec["manifest"])
+    except (KeyError, TypeError, IntegrityError):
+        return None
+    return desc if store.has_blob(desc.digest) else None
+
+
+def forget_restored(store: OciStore, ref: str) -> Descriptor | None:
+    key = str(RemoteRef.parse(ref)) if "/" in ref else ref
+    with store._index_lock():
+        records = _read_records(store)
+        rec = records.pop(key, None)
+        if rec is None:
+            return None
+        store._atomic_write(store.root / RESTORED_FILE, json.dumps(records, indent=1, sort_keys=True).encode())
+    try:
+        return Descriptor.from_dict(rec["manifest"])
+    except (KeyError, TypeError, IntegrityError):
+        return None

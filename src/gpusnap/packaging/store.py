@@ -35,6 +35,7 @@ MEDIA_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 MEDIA_DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 ANNOTATION_REF_NAME = "org.opencontainers.image.ref.name"
+RESTORED_FILE = "restored.json"  # checkpoints restored from a registry: ref → manifest, blob source
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 # A local reference: what a registry reference may be (host[:port]/path:tag), or a bare name.
@@ -474,7 +475,7 @@ class OciStore:
     def referenced(self) -> set[str]:
         """Every blob reachable from a tag (manifests, configs, layers, index children)."""
         seen: set[str] = set()
-        todo = [t.descriptor for t in self.tags()]
+        todo = [t.descriptor for t in self.tags()] + self.restored_roots()
         while todo:
             d = todo.pop()
             if d.digest in seen:
@@ -487,6 +488,22 @@ class OciStore:
                 todo.extend(Descriptor.from_dict(x) for x in m.get("layers", []))
                 todo.extend(Descriptor.from_dict(x) for x in m.get("manifests", []))
         return seen
+
+    def restored_roots(self) -> list[Descriptor]:
+        """Manifests of checkpoints restored straight from a registry (gpusnap.packaging.fetch,
+        ``restored.json``): the store keeps their manifest and config, not their blobs, which
+        stay in the registry; gc must not take those small blobs away."""
+        try:
+            data = json.loads((self.root / RESTORED_FILE).read_text())
+        except (FileNotFoundError, ValueError):
+            return []
+        out = []
+        for rec in data.values() if isinstance(data, dict) else []:
+            try:
+                out.append(Descriptor.from_dict(rec["manifest"]))
+            except (KeyError, TypeError, IntegrityError):
+                continue
+        return out
 
     def gc(self) -> tuple[int, int]:
         """Delete unreferenced blobs and stale ingest files; returns (blobs removed, bytes freed)."""

@@ -111,6 +111,10 @@ def test_push_remove_everywhere_restore_from_registry(case: EngineCase, registry
         wipe=lambda: shutil.rmtree(case.gs.store, ignore_errors=True),
         restore_args=("--insecure",),
     )
+    # A restore from a registry writes the image directory straight from it (directory
+    # checkpoints) and keeps only the manifest and config in the store (inspect works, not
+    # materialize): pull to have the whole checkpoint locally.
+    case.gs("pull", ref, "--insecure")
     check_inspect(case, ref, tmp_path)
 
 
