@@ -83,9 +83,9 @@ OUT_SIZE = 1 << 20  # zstd output handed to the file writer at a time
 @dataclass(frozen=True)
 class Placement:
     """``stored_length`` bytes at ``blob_offset`` of a blob, which are (after zstd when
-    ``compressed``) the ``raw_length`` bytes at ``file_offset`` of ``path``. ``digest``: the
-    sha256 of those stored bytes, where the format records one per piece (the whole blob's
-    digest is always checked)."""
+    ``compressed``) the ``raw_length`` bytes at ``file_offset`` of ``path``. ``sha256``: the
+    digest of those raw bytes, where the format records one per piece (the whole blob's
+    digest is always checked as well)."""
 
     path: str
     file_offset: int
@@ -93,12 +93,12 @@ class Placement:
     stored_length: int
     raw_length: int
     compressed: bool
-    digest: str | None = None
+    sha256: bytes | None = None
 
 
 @dataclass
 class BlobPlan:
-    desc: Descriptor
+    descriptor: Descriptor
     placements: list[Placement] = field(default_factory=list)
 
 
@@ -143,22 +143,22 @@ def plan(manifest: dict[str, Any], config: dict[str, Any]) -> Plan:
         if path not in sizes:
             raise IntegrityError(f"chunk {d.digest} belongs to {path!r}, which the config does not list; the artifact is corrupt")
         bp = by_digest.setdefault(d.digest, BlobPlan(d))
-        if bp.desc.size != d.size:
+        if bp.descriptor.size != d.size:
             raise IntegrityError(f"blob {d.digest} is listed with two sizes; the artifact is corrupt")
         bp.placements.append(Placement(path, _int(a.get(fmt.A_OFFSET, 0), f"offset of {d.digest}"), 0, d.size,
                                        _int(a.get(fmt.A_LENGTH), f"length of {d.digest}"), d.media_type.endswith(fmt.ZSTD_SUFFIX)))
     _check_coverage(by_digest.values(), sizes)
-    return Plan(tar_layers, sorted(by_digest.values(), key=lambda b: -b.desc.size), files)
+    return Plan(tar_layers, sorted(by_digest.values(), key=lambda b: -b.descriptor.size), files)
 
 
 def _check_coverage(blobs: Any, sizes: dict[str, int]) -> None:
     ranges: dict[str, list[tuple[int, int]]] = {p: [] for p in sizes}
     for bp in blobs:
         for pl in bp.placements:
-            if pl.blob_offset + pl.stored_length > bp.desc.size:
-                raise IntegrityError(f"a piece of blob {bp.desc.digest} lies past its end; the artifact is corrupt")
+            if pl.blob_offset + pl.stored_length > bp.descriptor.size:
+                raise IntegrityError(f"a piece of blob {bp.descriptor.digest} lies past its end; the artifact is corrupt")
             if not pl.compressed and pl.stored_length != pl.raw_length:
-                raise IntegrityError(f"an uncompressed piece of blob {bp.desc.digest} has two lengths; the artifact is corrupt")
+                raise IntegrityError(f"an uncompressed piece of blob {bp.descriptor.digest} has two lengths; the artifact is corrupt")
             ranges[pl.path].append((pl.file_offset, pl.file_offset + pl.raw_length))
     for path, rs in ranges.items():
         at = 0
@@ -240,14 +240,18 @@ class _FileWriter:
     (``bytes.startswith`` at an offset compares in place: no copy to find out it is all zeros).
     """
 
-    def __init__(self, fd: int, offset: int, length: int, path: str) -> None:
+    def __init__(self, fd: int, offset: int, length: int, path: str, sha256: bytes | None = None) -> None:
         self.fd, self.start, self.length, self.path = fd, offset, length, path
         self.done = 0
+        self.expected = sha256
+        self.hash = hashlib.sha256() if sha256 is not None else None
 
     def write_range(self, base: bytes | bytearray, start: int, end: int) -> None:
         n = end - start
         if self.done + n > self.length:
             raise IntegrityError(f"a piece of {self.path} holds more than the {self.length} bytes the artifact says; refusing it")
+        if self.hash is not None:
+            self.hash.update(memoryview(base)[start:end])
         at = self.start + self.done
         i = start
         while i < end:
@@ -275,6 +279,8 @@ class _FileWriter:
     def finish(self) -> None:
         if self.done != self.length:
             raise IntegrityError(f"a piece of {self.path} holds {self.done} bytes, the artifact says {self.length}; refusing it")
+        if self.hash is not None and self.hash.digest() != self.expected:
+            raise IntegrityError(f"the piece at byte {self.start} of {self.path} does not match its digest; refusing it")
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
@@ -290,19 +296,16 @@ def _pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
 
 
 class _PieceSink:
-    """One placement of a blob being received: hashes its stored bytes (when the format gives
-    a per-piece digest) and writes them, decompressed if needed, at the file offset."""
+    """One placement of a blob being received: its stored bytes, decompressed if needed,
+    written at the file offset (and checked against the piece's digest, where there is one)."""
 
     def __init__(self, pl: Placement, fd: int) -> None:
         self.pl = pl
-        self.file = _FileWriter(fd, pl.file_offset, pl.raw_length, pl.path)
-        self.hash = hashlib.sha256() if pl.digest else None
+        self.file = _FileWriter(fd, pl.file_offset, pl.raw_length, pl.path, pl.sha256)
         self.z = (zstandard.ZstdDecompressor().stream_writer(self.file, write_size=OUT_SIZE, closefd=False)  # type: ignore[arg-type]
                   if pl.compressed else None)
 
     def feed(self, base: bytearray, start: int, end: int) -> None:
-        if self.hash is not None:
-            self.hash.update(memoryview(base)[start:end])
         if self.z is not None:
             try:
                 self.z.write(memoryview(base)[start:end])
@@ -318,8 +321,6 @@ class _PieceSink:
             except zstandard.ZstdError as exc:
                 raise IntegrityError(f"a zstd piece of {self.pl.path} does not decompress ({exc}); refusing it") from None
         self.file.finish()
-        if self.hash is not None and "sha256:" + self.hash.hexdigest() != self.pl.digest:
-            raise IntegrityError(f"a piece of {self.pl.path} does not match its digest {self.pl.digest}; refusing it")
 
 
 class _BlobRouter:
@@ -357,7 +358,7 @@ class _BlobRouter:
         self.size = hi
 
     def finish(self) -> None:
-        desc = self.bp.desc
+        desc = self.bp.descriptor
         if "sha256:" + self.hash.hexdigest() != desc.digest or self.size != desc.size:
             raise IntegrityError(f"blob {desc.digest} from the registry does not match its digest; refusing it (nothing of it is kept)")
         for pl in self.todo:  # empty pieces at the very end of the blob
@@ -485,7 +486,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         raise UsageError(f"{dest} already exists and is not an empty directory; choose a new path")
     dest.parent.mkdir(parents=True, exist_ok=True)
     prog = progress or NullProgress()
-    prog.add_total(sum(d.size for d in pl.tar_layers) + sum(b.desc.size for b in pl.blobs))
+    prog.add_total(sum(d.size for d in pl.tar_layers) + sum(b.descriptor.size for b in pl.blobs))
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
     fds: dict[str, int] = {}
     fetch = _Fetch(rc, prog)
@@ -503,7 +504,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
                 sink.file.close()
 
         def blob_job(bp: BlobPlan) -> None:
-            fetch.stream(bp.desc, _BlobRouter(bp, fds))
+            fetch.stream(bp.descriptor, _BlobRouter(bp, fds))
 
         jobs: list[Callable[[], None]] = [lambda d=d: tar_job(d) for d in pl.tar_layers]
         jobs += [lambda b=b: blob_job(b) for b in pl.blobs]

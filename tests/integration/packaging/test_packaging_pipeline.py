@@ -110,9 +110,9 @@ def test_pipelined_push_then_direct_restore_is_bit_exact(tmp_path: Path, registr
 
 
 class _KillAfter(NullProgress):
-    """Kills the registry once ``limit`` bytes moved, restarts it ``pause`` s later."""
+    """Kills the registry once ``limit`` bytes moved, restarts it ``pause`` s later (None: not)."""
 
-    def __init__(self, reg: Registry, limit: int, pause: float) -> None:
+    def __init__(self, reg: Registry, limit: int, pause: float | None) -> None:
         self.reg, self.limit, self.pause = reg, limit, pause
         self.moved = 0
         self.killed = threading.Event()
@@ -125,7 +125,8 @@ class _KillAfter(NullProgress):
                 return
             self.killed.set()
         self.reg.kill()
-        threading.Timer(self.pause, self.reg.start).start()
+        if self.pause is not None:
+            threading.Timer(self.pause, self.reg.start).start()
 
 
 def test_direct_restore_resumes_after_registry_restart(tmp_path: Path, registry: Registry) -> None:
@@ -201,3 +202,26 @@ def test_full_disk_during_pipelined_push_leaves_no_tag_on_the_registry(tmp_path:
     s = OciStore(store)
     assert s.tags() == [] and list(s.ingest_dir.iterdir()) == []
     assert verify_store(s).ok
+
+
+def test_registry_dying_during_pipelined_push_leaves_no_tag(tmp_path: Path, registry: Registry) -> None:
+    """The uploads fail while the store is still going: the failure stops the store (on_blob
+    raises it) or the finish; either way the manifest is never put."""
+    from gpusnap.errors import RegistryError
+
+    src = _checkpoint_dir(tmp_path / "ck", 96, seed=17)
+    remote = f"{registry.host}/gs-pkg/dying-push:v1"
+    client = RegistryClient(registry.host, insecure=True, retries=2, backoff_s=0.1, workers=2)
+    killer = _KillAfter(registry, 20 << 20, pause=None)
+    pipe = api.start_push(tmp_path / "store", remote, progress=killer)
+    pipe.sender.client = client
+    with pytest.raises(RegistryError):
+        try:
+            api.store_checkpoint(tmp_path / "store", src, form="criu-dir", ref="gs-pkg/dying-push", on_blob=pipe.on_blob)
+        except BaseException:
+            pipe.cancel()
+            raise
+        pipe.finish("gs-pkg/dying-push")
+    assert killer.killed.is_set()
+    registry.start()
+    assert not registry.has_tag("gs-pkg/dying-push", "v1")

@@ -1,0 +1,120 @@
+"""packaging.fetch without a registry: the plan of where each blob's bytes go, and the writer
+that puts received bytes there (pieces, zstd, holes, digests). The download itself runs
+against the real registry in tests/integration/packaging/test_packaging_pipeline.py."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from gpusnap.errors import IntegrityError
+from gpusnap.packaging import artifact as fmt
+from gpusnap.packaging.fetch import BlobPlan, Placement, _BlobRouter, _create_sparse, plan
+from gpusnap.packaging.store import Descriptor
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _chunk(data: bytes, file: str, offset: int, length: int, zstd: bool = False) -> dict[str, object]:
+    media = fmt.MEDIA_PAGES + (fmt.ZSTD_SUFFIX if zstd else "")
+    return Descriptor(media, _digest(data), len(data), {fmt.A_FILE: file, fmt.A_OFFSET: str(offset), fmt.A_LENGTH: str(length)}).to_dict()
+
+
+def _file(path: str, size: int) -> dict[str, object]:
+    return {"path": path, "size": size, "mode": 0o600, "uid": 0, "gid": 0, "mtime": 0, "role": "pages"}
+
+
+def test_plan_groups_a_repeated_blob_and_checks_coverage() -> None:
+    a, b = b"a" * 100, b"b" * 50
+    manifest = {"layers": [
+        Descriptor(fmt.MEDIA_CRIU, _digest(b"tar"), 3, {fmt.A_TITLE: "criu.tar"}).to_dict(),
+        _chunk(a, "pages-1.img", 0, 100), _chunk(b, "pages-1.img", 100, 50), _chunk(a, "pages-1.img", 150, 100),
+    ]}
+    p = plan(manifest, {"files": [_file("pages-1.img", 250)]})
+    assert [d.annotations[fmt.A_TITLE] for d in p.tar_layers] == ["criu.tar"]
+    by = {bp.descriptor.digest: sorted(pl.file_offset for pl in bp.placements) for bp in p.blobs}
+    assert by == {_digest(a): [0, 150], _digest(b): [100]}  # the repeated blob is fetched once, written twice
+
+
+@pytest.mark.parametrize("layers, size, what", [
+    ([(0, 100), (150, 100)], 250, "gap"),
+    ([(0, 100), (50, 100)], 150, "overlap"),
+    ([(0, 100)], 120, "add up"),
+])
+def test_plan_refuses_pieces_that_do_not_tile_the_file(layers: list[tuple[int, int]], size: int, what: str) -> None:
+    manifest = {"layers": [_chunk(bytes([i]) * n, "pages-1.img", off, n) for i, (off, n) in enumerate(layers)]}
+    with pytest.raises(IntegrityError, match=what):
+        plan(manifest, {"files": [_file("pages-1.img", size)]})
+
+
+@pytest.mark.parametrize("files, chunk_file", [
+    ([_file("pages-1.img", 4)], "pages-2.img"),  # a chunk of a file the config does not list
+    ([_file("../escape.img", 4)], "../escape.img"),  # a path out of the directory
+    ([_file("pages-1.img", 4), _file("pages-1.img", 4)], "pages-1.img"),  # listed twice
+])
+def test_plan_refuses_bad_file_lists(files: list[dict[str, object]], chunk_file: str) -> None:
+    with pytest.raises(IntegrityError):
+        plan({"layers": [_chunk(b"abcd", chunk_file, 0, 4)]}, {"files": files})
+
+
+def _route(tmp_path: Path, blob: bytes, placements: list[Placement], size: int, step: int = 7777) -> Path:
+    fds = {"f": _create_sparse(tmp_path, "f", size)}
+    router = _BlobRouter(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(blob), len(blob)), placements), fds)
+    buf = bytearray(step)
+    try:
+        for i in range(0, len(blob), step):
+            part = blob[i:i + step]
+            buf[:len(part)] = part
+            router.take(buf, len(part))
+        router.finish()
+    finally:
+        os.close(fds["f"])
+    return tmp_path / "f"
+
+
+def test_router_writes_raw_and_zstd_pieces_at_their_offsets_with_zero_runs_as_holes(tmp_path: Path) -> None:
+    raw1 = os.urandom(100_000)
+    raw2 = bytes(1 << 20) + os.urandom(5000)  # a zero run: not written
+    z2 = zstandard.ZstdCompressor().compress(raw2)
+    blob = raw1 + z2
+    pls = [Placement("f", len(raw2), 0, len(raw1), len(raw1), False, hashlib.sha256(raw1).digest()),
+           Placement("f", 0, len(raw1), len(z2), len(raw2), True, hashlib.sha256(raw2).digest())]
+    out = _route(tmp_path, blob, pls, len(raw1) + len(raw2))
+    assert out.read_bytes() == raw2 + raw1
+    assert out.stat().st_blocks * 512 < 512 << 10  # the megabyte of zeros stayed a hole
+
+
+def test_router_refuses_a_blob_with_another_digest(tmp_path: Path) -> None:
+    data = os.urandom(50_000)
+    fds = {"f": _create_sparse(tmp_path, "f", len(data))}
+    router = _BlobRouter(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(b"other"), len(data)),
+                                  [Placement("f", 0, 0, len(data), len(data), False)]), fds)
+    router.take(bytearray(data), len(data))
+    with pytest.raises(IntegrityError, match="does not match its digest"):
+        router.finish()
+    os.close(fds["f"])
+
+
+def test_router_refuses_a_piece_with_another_digest(tmp_path: Path) -> None:
+    data = os.urandom(50_000)
+    with pytest.raises(IntegrityError, match="piece at byte 0"):
+        _route(tmp_path, data, [Placement("f", 0, 0, len(data), len(data), False, hashlib.sha256(b"x").digest())], len(data))
+
+
+def test_router_refuses_a_zstd_piece_longer_than_announced(tmp_path: Path) -> None:
+    raw = os.urandom(10_000)
+    z = zstandard.ZstdCompressor().compress(raw)
+    with pytest.raises(IntegrityError, match="more than"):
+        _route(tmp_path, z, [Placement("f", 0, 0, len(z), 5000, True)], 5000)
+
+
+def test_router_refuses_garbage_where_a_zstd_frame_should_be(tmp_path: Path) -> None:
+    junk = os.urandom(10_000)
+    with pytest.raises(IntegrityError, match="decompress|holds"):
+        _route(tmp_path, junk, [Placement("f", 0, 0, len(junk), 20_000, True)], 20_000)
