@@ -116,7 +116,7 @@ def store_checkpoint(
     compress: bool = False,
     parent: str | None = None,
     encryption: EncryptionConfig | None = None,
-    on_blob: Callable[[Descriptor, Path], None] | None = None,
+    on_blob: Callable[[Descriptor], None] | None = None,
 ) -> StoredCheckpoint:
     """Package a checkpoint (directory or podman archive) as an artifact tagged ``ref`` in the store.
 

@@ -52,6 +52,7 @@ import zstandard
 
 from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, RegistryError, UsageError
 from gpusnap.packaging import artifact as fmt
+from gpusnap.packaging import layout as lay
 from gpusnap.packaging.progress import NullProgress, Progress
 from gpusnap.packaging.registry import (
     RECV_SIZE,
@@ -80,86 +81,38 @@ OUT_SIZE = 1 << 20  # zstd output handed to the file writer at a time
 
 
 # ---- what to write where ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Placement:
-    """``stored_length`` bytes at ``blob_offset`` of a blob, which are (after zstd when
-    ``compressed``) the ``raw_length`` bytes at ``file_offset`` of ``path``. ``sha256``: the
-    digest of those raw bytes, where the format records one per piece (the whole blob's
-    digest is always checked as well)."""
-
-    path: str
-    file_offset: int
-    blob_offset: int
-    stored_length: int
-    raw_length: int
-    compressed: bool
-    sha256: bytes | None = None
+# The plan is the layout module's (format v1 and v2): for every blob, which of its byte ranges
+# go to which offset of which file, stored and raw lengths, zstd or not, and (v2) each piece's
+# SHA-256. plan() adds the checks a restore from a foreign registry needs before it creates a
+# single file: every path is a safe relative path, listed once, and the pieces and zero runs
+# tile every file exactly (no gap, no overlap).
+Placement = lay.Placement
+BlobPlan = lay.BlobPlan
+Layout = lay.Layout
 
 
-@dataclass
-class BlobPlan:
-    descriptor: Descriptor
-    placements: list[Placement] = field(default_factory=list)
+def plan(manifest: dict[str, Any], config: dict[str, Any], read_blob: Callable[[Descriptor], bytes] | None = None) -> Layout:
+    """The checked layout of an artifact; ``read_blob`` fetches the v2 piece table (verified)."""
+    def no_table(d: Descriptor) -> bytes:
+        raise IntegrityError(f"{d.digest}: a piece table is needed and there is no way to read it")
 
-
-@dataclass
-class Plan:
-    tar_layers: list[Descriptor]
-    blobs: list[BlobPlan]
-    files: list[dict[str, Any]]  # the config's chunked-file records (path, size, mode, owner, mtime)
-
-
-def _int(value: Any, what: str) -> int:
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise IntegrityError(f"{what} is {value!r}, not an integer; the artifact is corrupt") from None
-    if n < 0:
-        raise IntegrityError(f"{what} is negative ({n}); the artifact is corrupt")
-    return n
-
-
-def plan(manifest: dict[str, Any], config: dict[str, Any]) -> Plan:
-    """Where every byte of every chunk blob goes, checked for consistency before anything is
-    fetched: each listed file is covered exactly once, no piece lies outside its blob or file."""
-    layers = [Descriptor.from_dict(x) for x in manifest.get("layers", [])]
-    files = config.get("files", [])
-    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
-        raise IntegrityError("the checkpoint config's file list is malformed; the artifact is corrupt")
+    layout = lay.layout_from_parts(manifest, config, read_blob or no_table)
     sizes: dict[str, int] = {}
-    for f in files:
-        path = f.get("path")
-        if not isinstance(path, str) or path in sizes:
-            raise IntegrityError(f"the checkpoint config lists a bad or repeated file {path!r}; the artifact is corrupt")
-        check_member(tarfile.TarInfo(path), what="checkpoint config")
-        sizes[path] = _int(f.get("size"), f"size of {path}")
-    tar_layers = [d for d in layers if fmt.base_media(d.media_type) in (fmt.MEDIA_CRIU, fmt.MEDIA_ENGINE)]
-    by_digest: dict[str, BlobPlan] = {}
-    for d in layers:
-        if not fmt.is_chunk_media(d.media_type):
-            continue
-        a = d.annotations
-        path = a.get(fmt.A_FILE)
-        if path not in sizes:
-            raise IntegrityError(f"chunk {d.digest} belongs to {path!r}, which the config does not list; the artifact is corrupt")
-        bp = by_digest.setdefault(d.digest, BlobPlan(d))
-        if bp.descriptor.size != d.size:
-            raise IntegrityError(f"blob {d.digest} is listed with two sizes; the artifact is corrupt")
-        bp.placements.append(Placement(path, _int(a.get(fmt.A_OFFSET, 0), f"offset of {d.digest}"), 0, d.size,
-                                       _int(a.get(fmt.A_LENGTH), f"length of {d.digest}"), d.media_type.endswith(fmt.ZSTD_SUFFIX)))
-    _check_coverage(by_digest.values(), sizes)
-    return Plan(tar_layers, sorted(by_digest.values(), key=lambda b: -b.descriptor.size), files)
-
-
-def _check_coverage(blobs: Any, sizes: dict[str, int]) -> None:
+    for f in layout.files:
+        if f.path in sizes:
+            raise IntegrityError(f"the checkpoint config lists {f.path!r} twice; the artifact is corrupt")
+        check_member(tarfile.TarInfo(f.path), what="checkpoint config")
+        sizes[f.path] = f.size
     ranges: dict[str, list[tuple[int, int]]] = {p: [] for p in sizes}
-    for bp in blobs:
+    for bp in layout.blobs:
         for pl in bp.placements:
             if pl.blob_offset + pl.stored_length > bp.descriptor.size:
                 raise IntegrityError(f"a piece of blob {bp.descriptor.digest} lies past its end; the artifact is corrupt")
             if not pl.compressed and pl.stored_length != pl.raw_length:
                 raise IntegrityError(f"an uncompressed piece of blob {bp.descriptor.digest} has two lengths; the artifact is corrupt")
             ranges[pl.path].append((pl.file_offset, pl.file_offset + pl.raw_length))
+    for path, offset, length in layout.zeros:
+        ranges[path].append((offset, offset + length))
     for path, rs in ranges.items():
         at = 0
         for start, end in sorted(rs):
@@ -169,6 +122,18 @@ def _check_coverage(blobs: Any, sizes: dict[str, int]) -> None:
             at = end
         if at != sizes[path]:
             raise IntegrityError(f"{path}: its pieces add up to {at} bytes, the config says {sizes[path]}; the artifact is corrupt")
+    # A blob listed several times (v1: identical memory in two places) is fetched once.
+    merged: dict[str, BlobPlan] = {}
+    for bp in layout.blobs:
+        have = merged.get(bp.descriptor.digest)
+        if have is None:
+            merged[bp.descriptor.digest] = BlobPlan(bp.descriptor, list(bp.placements))
+        elif have.descriptor.size != bp.descriptor.size:
+            raise IntegrityError(f"blob {bp.descriptor.digest} is listed with two sizes; the artifact is corrupt")
+        else:
+            have.placements.extend(bp.placements)
+    layout.blobs = sorted(merged.values(), key=lambda b: -b.descriptor.size)  # biggest first: the tail is short
+    return layout
 
 
 # ---- the remote artifact ----------------------------------------------------------------------
@@ -205,7 +170,7 @@ class RemoteCheckpoint:
         if self.encrypted or self.config_desc.media_type != fmt.MEDIA_CONFIG:
             return False
         config = self.config
-        return config.get("schemaVersion") == fmt.CONFIG_SCHEMA_VERSION and config.get("form") in DIRECT_FORMS
+        return config.get("schemaVersion") in fmt.READABLE_SCHEMAS and config.get("form") in DIRECT_FORMS
 
 
 def open_remote(remote: str, *, insecure: bool = False, client: RegistryClient | None = None) -> RemoteCheckpoint:
@@ -480,7 +445,14 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
     if not rc.direct:
         raise UsageError(f"{rc.ref} cannot be written straight into a directory (encrypted, or not a directory checkpoint); pull it")
     config = rc.config
-    pl = plan(rc.manifest, config)
+    tables: list[tuple[Descriptor, bytes]] = []
+
+    def read_table(desc: Descriptor) -> bytes:
+        data = _fetch_small(rc, desc, lay.MAX_TABLE)
+        tables.append((desc, data))
+        return data
+
+    pl = plan(rc.manifest, config, read_table)
     dest = Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UsageError(f"{dest} already exists and is not an empty directory; choose a new path")
@@ -492,7 +464,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
     fetch = _Fetch(rc, prog)
     try:
         for f in pl.files:
-            fds[f["path"]] = _create_sparse(tmp, f["path"], int(f["size"]))
+            fds[f.path] = _create_sparse(tmp, f.path, f.size)
         chunk_names = set(fds)
 
         def tar_job(desc: Descriptor) -> None:
@@ -510,8 +482,11 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         jobs += [lambda b=b: blob_job(b) for b in pl.blobs]
         _run_all(jobs, rc.client.workers, fetch.abort)
         for f in pl.files:
-            os.close(fds.pop(f["path"]))
-            _set_attributes(tmp, f)
+            fd = fds.pop(f.path)
+            try:
+                _set_attributes(fd, f)
+            finally:
+                os.close(fd)
         if dest.exists():
             dest.rmdir()
         os.replace(tmp, dest)
@@ -520,7 +495,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
             os.close(fd)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _record(store, rc)
+    _record(store, rc, tables)
     return FetchResult(dest, rc.digest, str(config.get("form")), fetch.received, len(pl.tar_layers) + len(pl.blobs),
                        time.monotonic() - started)
 
@@ -570,16 +545,31 @@ def _create_sparse(root: Path, name: str, size: int) -> int:
     return fd
 
 
-def _set_attributes(root: Path, f: dict[str, Any]) -> None:
-    try:
-        info = fmt._file_info(f)
-    except (KeyError, TypeError, ValueError):
-        raise IntegrityError(f"checkpoint config lists a malformed file entry {str(f)[:100]}; the artifact is corrupt") from None
-    path = root / f["path"]
-    os.chmod(path, info.mode & 0o777, follow_symlinks=False)
+def _set_attributes(fd: int, f: lay.FileEntry) -> None:
+    os.fchmod(fd, f.mode & 0o777)
     if os.geteuid() == 0:
-        os.chown(path, info.uid, info.gid, follow_symlinks=False)
-    os.utime(path, (info.mtime, info.mtime), follow_symlinks=False)
+        os.fchown(fd, f.uid, f.gid)
+    os.utime(fd, (f.mtime, f.mtime))
+
+
+def _fetch_small(rc: RemoteCheckpoint, desc: Descriptor, limit: int) -> bytes:
+    """A small blob (the v2 piece table) in memory, checked against its digest."""
+    if desc.size > limit:
+        raise IntegrityError(f"blob {desc.digest} of {rc.ref} claims {desc.size} bytes, more than {limit}; refusing it")
+    r = rc.client.request("GET", f"/v2/{rc.ref.repository}/blobs/{desc.digest}", scope=f"repository:{rc.ref.repository}:pull",
+                          headers={"Accept-Encoding": "identity"}, stream=True)
+    with r:
+        buf = bytearray()
+        try:
+            for data in r.iter_content(1 << 20):
+                buf += data
+                if len(buf) > desc.size:
+                    break
+        except requests.RequestException as exc:
+            raise RegistryError(f"download of {desc.digest} from {rc.ref.registry} broke off ({exc}); try again") from None
+    if len(buf) != desc.size or sha256_digest(bytes(buf)) != desc.digest:
+        raise IntegrityError(f"blob {desc.digest} from {rc.ref.registry} does not match its digest; refusing it")
+    return bytes(buf)
 
 
 def _extract(file: IO[bytes], desc: Descriptor, root: Path, reserved: set[str]) -> None:
@@ -605,9 +595,9 @@ def _extract(file: IO[bytes], desc: Descriptor, root: Path, reserved: set[str]) 
         raise
 
 
-def _record(store: OciStore, rc: RemoteCheckpoint) -> None:
-    """What the store keeps of a checkpoint restored from a registry: its manifest and config
-    (small, verified), a record ``ref → manifest, source repository`` in restored.json (not a
+def _record(store: OciStore, rc: RemoteCheckpoint, extra: list[tuple[Descriptor, bytes]] = []) -> None:  # noqa: B006 - never mutated
+    """What the store keeps of a checkpoint restored from a registry: its manifest, config and
+    (v2) piece table (small, verified), a record ``ref → manifest, source repository`` in restored.json (not a
     tag: nothing may take the artifact for a whole local one), and the repository in
     remotes.json. ``inspect REF`` reads them; a later push to another repository of that
     registry mounts the blobs from there instead of uploading them, and one to the same
@@ -618,6 +608,8 @@ def _record(store: OciStore, rc: RemoteCheckpoint) -> None:
         with store.writing():
             try:
                 store.put_bytes(rc.config_bytes, rc.config_desc.digest)
+                for desc, data in extra:  # the v2 piece table: where every piece lies
+                    store.put_bytes(data, desc.digest)
                 store.put_bytes(rc.manifest_bytes, rc.digest)
                 store.publish()
             except BaseException:

@@ -533,23 +533,22 @@ def _file_iter(path: "Path | Callable[[], IO[bytes]]", offset: int, length: int,
     return _FileBody(path, offset, length, progress, sent)
 
 
-def blob_opener(store: OciStore, digest: str, pending: Path | None = None) -> Callable[[], IO[bytes]]:
-    """Opens a store blob wherever it is when opened: a blob written by a store that is still
-    going on waits in ingest/ (at ``pending``, which only the writing store object knows) and is
-    renamed into blobs/ by the store's publish, which may happen between two requests of its
-    upload. Renames are the only way a pending blob leaves ingest/ while its operation runs, so
-    the pending path missing means the blob is in blobs/."""
-    pending = pending or store.blob_path(digest)
-    final = store.blobs_dir / digest.split(":", 1)[1]
+def blob_opener(store: OciStore, digest: str) -> Callable[[], IO[bytes]]:
+    """Opens a store blob wherever it is when opened. A blob committed by a store that is still
+    going on waits in ingest/ (``OciStore.open_blob`` finds it there from any store object)
+    until the store's publish renames it into blobs/, which may happen between two requests of
+    its upload, or between open_blob's look at blobs/ and its look at ingest/: then a second
+    look finds it in blobs/."""
 
     def open_() -> IO[bytes]:
         try:
-            return open(pending, "rb")
-        except FileNotFoundError:
-            try:
-                return open(final, "rb")
-            except FileNotFoundError:
-                raise NotFoundError(f"blob {digest} left the store {store.root} while being pushed; store the checkpoint again") from None
+            return store.open_blob(digest)
+        except NotFoundError:
+            pass
+        try:
+            return store.open_blob(digest)
+        except NotFoundError:
+            raise NotFoundError(f"blob {digest} left the store {store.root} while being pushed; store the checkpoint again") from None
 
     return open_
 
@@ -619,8 +618,7 @@ class _BlobSender:
         self.on_registry: set[str] = set()  # blobs this push saw on the registry or put there
         self._lock = threading.Lock()
 
-    def send(self, bd: Descriptor, path: Path | None = None) -> None:
-        """``path``: where the blob is, if the store that wrote it said (a pending blob)."""
+    def send(self, bd: Descriptor) -> None:
         with self._lock:
             if bd.digest in self.on_registry:
                 return
@@ -634,7 +632,7 @@ class _BlobSender:
                 self._done(bd, "skipped", mounted=True)
                 return
         self.prog.add_total(bd.size)
-        self.client.upload_blob(self.repo, bd, blob_opener(self.store, bd.digest, path), self.prog, upload_url)
+        self.client.upload_blob(self.repo, bd, blob_opener(self.store, bd.digest), self.prog, upload_url)
         self._done(bd, "uploaded")
 
     def forget(self) -> None:
@@ -760,13 +758,13 @@ class PipelinedPush:
         self._lock = threading.Lock()
         self._closed = False
 
-    def on_blob(self, desc: Descriptor, path: Path | None = None) -> None:
-        """The store committed ``desc``, now at ``path`` (called on the store's thread): queue its upload."""
+    def on_blob(self, desc: Descriptor) -> None:
+        """The store committed ``desc`` (called on one of the store's threads): queue its upload."""
         with self._lock:
             for f in self._futures:
                 if f.done() and f.exception() is not None:
                     raise f.exception()  # type: ignore[misc]
-            self._futures = [f for f in self._futures if not f.done()] + [self._pool.submit(self.sender.send, desc, path)]
+            self._futures = [f for f in self._futures if not f.done()] + [self._pool.submit(self.sender.send, desc)]
 
     def finish(self, ref: str, subject: str | None = None) -> Any:
         """Wait for the uploads, send what the store made last, then the manifest: the PushResult."""

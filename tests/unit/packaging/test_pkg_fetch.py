@@ -43,8 +43,8 @@ def test_plan_groups_a_repeated_blob_and_checks_coverage() -> None:
 
 
 @pytest.mark.parametrize("layers, size, what", [
-    ([(0, 100), (150, 100)], 250, "gap"),
-    ([(0, 100), (50, 100)], 150, "overlap"),
+    ([(0, 100), (150, 50)], 150, "gap"),  # the lengths add up, the offsets do not tile
+    ([(0, 100), (50, 50)], 150, "overlap"),
     ([(0, 100)], 120, "add up"),
 ])
 def test_plan_refuses_pieces_that_do_not_tile_the_file(layers: list[tuple[int, int]], size: int, what: str) -> None:
@@ -94,7 +94,7 @@ def test_router_refuses_a_blob_with_another_digest(tmp_path: Path) -> None:
     data = os.urandom(50_000)
     fds = {"f": _create_sparse(tmp_path, "f", len(data))}
     router = _BlobRouter(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(b"other"), len(data)),
-                                  [Placement("f", 0, 0, len(data), len(data), False)]), fds)
+                                  [Placement("f", 0, 0, len(data), len(data), False, None)]), fds)
     router.take(bytearray(data), len(data))
     with pytest.raises(IntegrityError, match="does not match its digest"):
         router.finish()
@@ -111,10 +111,10 @@ def test_router_refuses_a_zstd_piece_longer_than_announced(tmp_path: Path) -> No
     raw = os.urandom(10_000)
     z = zstandard.ZstdCompressor().compress(raw)
     with pytest.raises(IntegrityError, match="more than"):
-        _route(tmp_path, z, [Placement("f", 0, 0, len(z), 5000, True)], 5000)
+        _route(tmp_path, z, [Placement("f", 0, 0, len(z), 5000, True, None)], 5000)
 
 
 def test_router_refuses_garbage_where_a_zstd_frame_should_be(tmp_path: Path) -> None:
     junk = os.urandom(10_000)
     with pytest.raises(IntegrityError, match="decompress|holds"):
-        _route(tmp_path, junk, [Placement("f", 0, 0, len(junk), 20_000, True)], 20_000)
+        _route(tmp_path, junk, [Placement("f", 0, 0, len(junk), 20_000, True, None)], 20_000)
