@@ -1,5 +1,7 @@
 """Runs one packaging operation in its own process, printing bytes moved, so a test can kill -9
-it at a chosen point: ``python gs_rel_transfer.py push|pull|store STORE REF|SRC REMOTE|REF``."""
+it at a chosen point: ``python gs_rel_transfer.py push|pull|store STORE REF|SRC REMOTE|REF``,
+``pushpipe STORE SRC REF REMOTE`` (checkpoint --push: store and upload at once), ``fetch STORE
+REMOTE DEST`` (restore from a registry straight into an image directory)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,18 @@ def main(argv: list[str]) -> int:
         api.push(store, argv[3], argv[4], insecure=True, progress=Printing())
     elif op == "pull":
         api.pull(store, argv[3], insecure=True, progress=Printing())
+    elif op == "pushpipe":
+        pipe = api.start_push(store, argv[4], insecure=True, progress=Printing())
+        try:
+            api.store_checkpoint(store, Path(argv[3]), form="criu-dir", ref=argv[5] if len(argv) > 5 else "gs-rel/pipe:1",
+                                 on_blob=pipe.on_blob)
+        except BaseException:
+            pipe.cancel()
+            raise
+        pipe.finish(argv[5] if len(argv) > 5 else "gs-rel/pipe:1")
+    elif op == "fetch":
+        remote = api.open_remote(argv[3], insecure=True)
+        api.fetch_into(store, remote, Path(argv[4]), progress=Printing())
     elif op == "store":
         print(0, flush=True)
         api.store_checkpoint(store, Path(argv[3]), form="criu-dir", ref=argv[4])

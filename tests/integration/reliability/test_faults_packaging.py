@@ -125,6 +125,73 @@ def test_kill9_pull(tmp_path: Path, registry: Registry, ledger, fraction: float)
     assert lost == 0
 
 
+@pytest.mark.parametrize("fraction", [0.1, 0.6])
+def test_kill9_pipelined_push(tmp_path: Path, registry: Registry, ledger, fraction: float) -> None:  # type: ignore[no-untyped-def]
+    """checkpoint --push (store and upload at once) killed: no tag in the registry nor in the
+    store, and a second run stores and pushes the same bytes."""
+    src = _ck(tmp_path / "ck")
+    store = tmp_path / "store"
+    remote = f"{registry.host}/gs-rel/kill-pipe:1"
+    killed = _run_and_kill(["pushpipe", str(store), str(src), remote, "gs-rel/pipe:1"], at_bytes=int(fraction * (MIB << 20)))
+    assert killed, "the push finished before the kill point"
+    assert not registry.has_tag("gs-rel/kill-pipe", "1"), "a killed push must not leave a tag"
+    _store_ok(store)
+    # The store may have finished (and tagged) before the uploads did: that local checkpoint is whole.
+    lost = sum(_lost(src, store, t.ref, tmp_path / f"local-{i}") for i, t in enumerate(OciStore(store).tags()))
+    subprocess.run([sys.executable, str(DRIVER), "pushpipe", str(store), str(src), remote, "gs-rel/pipe:1"], check=True, capture_output=True)
+    fresh = tmp_path / "fresh"
+    api.pull(fresh, remote, insecure=True)
+    lost += _lost(src, fresh, remote, tmp_path / "out")
+    ledger.record("fault", "kill -9 checkpoint --push (pipelined)", passed=int(lost == 0), lost=lost, detail="at 10/60% of bytes")
+    assert lost == 0
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+def test_kill9_direct_restore(tmp_path: Path, registry: Registry, ledger, fraction: float) -> None:  # type: ignore[no-untyped-def]
+    """Restore from a registry killed mid-download: nothing at the destination but the partial
+    directory in the dead process's work directory, which the next gpusnap run removes; the
+    store has no record; a second run writes the same bytes."""
+    from gpusnap.config import Settings
+    from gpusnap.engines.flows import work_dir
+
+    src = _ck(tmp_path / "ck")
+    api.store_checkpoint(tmp_path / "origin", src, form="criu-dir", ref="gs-rel/ck:1")
+    remote = f"{registry.host}/gs-rel/kill-fetch:1"
+    api.push(tmp_path / "origin", "gs-rel/ck:1", remote, insecure=True)
+    settings = Settings(state_dir=tmp_path / "state", store_dir=tmp_path / "store")
+    store = settings.store_dir
+    work = settings.state_dir / "tmp"
+    work.mkdir(parents=True)
+    # The driver plays a gpusnap restore: its own work directory, named after its PID.
+    proc_dest = work / "work-{pid}-x" / "checkpoint"
+    driver = [sys.executable, "-c", (
+        "import os, sys; sys.argv = ['gs_rel_transfer.py', 'fetch', sys.argv[1], sys.argv[2], sys.argv[3].format(pid=os.getpid())];"
+        f"sys.path.insert(0, {str(DRIVER.parent)!r}); import gs_rel_transfer as t; sys.exit(t.main(sys.argv))"),
+        str(store), remote, str(proc_dest)]
+    proc = subprocess.Popen(driver, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    killed = False
+    for line in proc.stdout:
+        if line.strip().isdigit() and int(line) >= int(fraction * (MIB << 20)):
+            proc.send_signal(signal.SIGKILL)
+            killed = True
+            break
+    proc.wait(60)
+    assert killed and proc.returncode == -signal.SIGKILL, "the restore finished before the kill point"
+    left = list(work.iterdir())
+    assert len(left) == 1 and not (left[0] / "checkpoint").exists(), "only the partial directory of the killed run"
+    assert not (store / "restored.json").exists()
+    if store.exists():
+        _store_ok(store)
+    fresh_work = work_dir(settings)  # the next run: removes the dead run's work directory
+    assert list(work.iterdir()) == [fresh_work]
+    out = api.fetch_into(store, api.open_remote(remote, insecure=True), fresh_work / "checkpoint")
+    lost = sum(1 for k, v in _files(src).items() if _files(out.dest).get(k) != v)
+    _store_ok(store)
+    ledger.record("fault", "kill -9 restore from registry (direct)", passed=int(lost == 0), lost=lost, detail="at 10/50/90% of bytes")
+    assert lost == 0
+
+
 @pytest.mark.parametrize("after_s", [0.02, 0.15])
 def test_kill9_store(tmp_path: Path, ledger, after_s: float) -> None:  # type: ignore[no-untyped-def]
     src = _ck(tmp_path / "ck", mib=256)
