@@ -50,7 +50,6 @@ def make_source(path: Path, gib: float) -> int:
 
 def phase(name: str, root: Path, remote: str) -> dict[str, float]:
     from gpusnap.packaging import api
-    from gpusnap.packaging.fetch import open_remote
 
     src = root / "src"
     t0 = time.monotonic()
@@ -73,7 +72,7 @@ def phase(name: str, root: Path, remote: str) -> dict[str, float]:
         out["pull_s"] = time.monotonic() - t0
         api.materialize_checkpoint(root / "store-c", ref, root / "out-before", form="criu-dir")
     elif name == "pull-after":
-        rc = open_remote(remote, insecure=True)
+        rc = api.open_remote(remote, insecure=True)
         api.fetch_into(root / "store-d", rc, root / "out-after")
     else:
         raise SystemExit(f"unknown phase {name}")
@@ -81,9 +80,11 @@ def phase(name: str, root: Path, remote: str) -> dict[str, float]:
     return out
 
 
-def run_phase(name: str, root: Path, remote: str) -> dict[str, float]:
+def run_phase(name: str, root: Path, remote: str, src: Path | None = None) -> dict[str, float]:
+    """``src``: the gpusnap source tree to run the phase with (the "before" code), else this one."""
+    env = {**os.environ, "PYTHONPATH": str(src)} if src is not None else None
     proc = subprocess.Popen([sys.executable, __file__, "--phase", name, "--root", str(root), "--remote", remote],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     out = proc.stdout.read() if proc.stdout else ""
     if status != 0:
@@ -124,6 +125,8 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/wire-bench"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--before-src", type=Path, help="src/ of the gpusnap to measure as 'before' (e.g. a main checkout); "
+                    "default: this tree's old paths (store then push, pull then materialize)")
     ap.add_argument("--phase")
     ap.add_argument("--remote")
     args = ap.parse_args()
@@ -143,27 +146,24 @@ def main() -> None:
     try:
         remote = f"{reg.host}/bench/wire:v1"
         for _ in range(args.rounds):
-            for name in ("push-before", "push-after"):
-                for d in ("store-a", "store-b"):
+            # Each variant pulls what its own push made (the "before" code may not read the
+            # format the "after" code writes).
+            for variant in ("before", "after"):
+                code = args.before_src if variant == "before" else None
+                for d in ("store-a", "store-b", "store-c", "store-d", "out-before", "out-after"):
                     shutil.rmtree(root / d, ignore_errors=True)
                 reg.kill()
                 shutil.rmtree(reg.root / "data", ignore_errors=True)
                 reg.start()
-                results.setdefault(name, []).append(run_phase(name, root, remote))
-            for name in ("pull-before", "pull-after"):
-                for d in ("store-c", "store-d", "out-before", "out-after"):
-                    shutil.rmtree(root / d, ignore_errors=True)
-                results.setdefault(name, []).append(run_phase(name, root, remote))
+                results.setdefault(f"push-{variant}", []).append(run_phase(f"push-{variant}", root, remote, code))
+                results.setdefault(f"pull-{variant}", []).append(run_phase(f"pull-{variant}", root, remote, code))
             for d in ("store-a", "store-b", "store-c", "store-d", "out-before", "out-after"):
                 shutil.rmtree(root / d, ignore_errors=True)
             results.setdefault("curl-floor", []).append(curl_floor(reg.host, root / "src" / "pages-1.img"))
-            reg.kill()
-            shutil.rmtree(reg.root / "data", ignore_errors=True)
-            reg.start()
     finally:
         reg.kill()
-    best = {k: min(v, key=lambda r: r.get("seconds", r.get("get_s", 0))) for k, v in results.items()}
-    floor = best["curl-floor"]
+    best = {k: min(v, key=lambda r: r["seconds"]) for k, v in results.items() if k != "curl-floor"}
+    floor = {k: min(r[k] for r in results["curl-floor"]) for k in ("put_s", "get_s")}
     lines = [f"checkpoint {size / (1 << 30):.2f} GiB ({size} bytes), {os.cpu_count()} cores, root {root}",
              f"curl PUT {floor['put_s']:.2f} s ({gb / floor['put_s']:.2f} GB/s), GET {floor['get_s']:.2f} s ({gb / floor['get_s']:.2f} GB/s)"]
     for name in ("push-before", "push-after", "pull-before", "pull-after"):

@@ -288,24 +288,47 @@ class _PieceSink:
         self.file.finish()
 
 
+def blob_span(bp: BlobPlan) -> tuple[int, int]:
+    """The bytes of a blob a restore must receive: all of it when its digest is what verifies
+    it (v1, or any piece without its own digest); otherwise (v2) only from its first to the
+    end of its last needed piece, each piece checked by its own SHA-256 — a pack shared with an
+    older checkpoint may hold many pieces this one does not use."""
+    if not bp.placements or any(p.sha256 is None for p in bp.placements):
+        return 0, bp.descriptor.size
+    return min(p.blob_offset for p in bp.placements), max(p.blob_offset + p.stored_length for p in bp.placements)
+
+
 class _BlobRouter:
-    """Receives one blob's bytes in order and hands each range to the pieces that cover it;
-    checks the whole blob's digest and size at the end."""
+    """Receives a blob's bytes in order (from ``start``, see :func:`blob_span`) and hands each
+    range to the pieces that cover it; checks the whole blob's digest and size at the end when
+    the blob digest is what verifies its pieces."""
 
     def __init__(self, bp: BlobPlan, fds: dict[str, int]) -> None:
         self.bp, self.fds = bp, fds
-        self.reset()
+        self.start, self.end = blob_span(bp)
+        self.whole = any(p.sha256 is None for p in bp.placements) or not bp.placements
+        self.reset(self.start)
 
-    def reset(self) -> None:
-        """Start over (a server that ignored a Range request sends the blob from byte 0)."""
-        self.size = 0
-        self.hash = hashlib.sha256()
+    def reset(self, start: int | None = None) -> None:
+        """Start over, from blob offset ``start`` (a server that ignored a Range request sends
+        the blob from byte 0)."""
+        if start is not None:
+            self.start = start
+        if self.start == 0:
+            self.end = self.bp.descriptor.size if self.whole else self.end
+        self.size = 0  # bytes received since ``start``
+        self.hash = hashlib.sha256() if self.whole else None
         self.todo = sorted(self.bp.placements, key=lambda p: p.blob_offset)
         self.active: list[_PieceSink] = []
 
+    @property
+    def wanted(self) -> int:
+        return self.end - self.start
+
     def take(self, base: bytearray, n: int) -> None:
-        self.hash.update(memoryview(base)[:n])
-        lo, hi = self.size, self.size + n
+        if self.hash is not None:
+            self.hash.update(memoryview(base)[:n])
+        lo, hi = self.start + self.size, self.start + self.size + n
         while self.todo and self.todo[0].blob_offset < hi:
             pl = self.todo.pop(0)
             self.active.append(_PieceSink(pl, self.fds[pl.path]))
@@ -320,13 +343,15 @@ class _BlobRouter:
             else:
                 still.append(sink)
         self.active = still
-        self.size = hi
+        self.size += n
 
     def finish(self) -> None:
         desc = self.bp.descriptor
-        if "sha256:" + self.hash.hexdigest() != desc.digest or self.size != desc.size:
+        if self.hash is not None and ("sha256:" + self.hash.hexdigest() != desc.digest or self.size != desc.size):
             raise IntegrityError(f"blob {desc.digest} from the registry does not match its digest; refusing it (nothing of it is kept)")
-        for pl in self.todo:  # empty pieces at the very end of the blob
+        if self.size != self.wanted:
+            raise IntegrityError(f"blob {desc.digest} from the registry ended after {self.size} of {self.wanted} bytes; refusing it")
+        for pl in self.todo:  # empty pieces at the very end of the span
             self.active.append(_PieceSink(pl, self.fds[pl.path]))
         for sink in self.active:
             sink.finish()
@@ -338,10 +363,15 @@ class _TempSink:
 
     def __init__(self, desc: Descriptor, where: Path) -> None:
         self.desc = desc
+        self.start, self.end = 0, desc.size
         self.file: IO[bytes] = tempfile.TemporaryFile(dir=where)
         self.reset()
 
-    def reset(self) -> None:
+    @property
+    def wanted(self) -> int:
+        return self.end
+
+    def reset(self, start: int | None = None) -> None:
         self.size = 0
         self.hash = hashlib.sha256()
         self.file.seek(0)
@@ -387,40 +417,45 @@ class _Fetch:
         self._lock = threading.Lock()
 
     def stream(self, desc: Descriptor, sink: Any) -> None:
-        """Receive ``desc`` into ``sink`` (``size``, ``take``, ``reset``, ``finish``), resuming
-        with Range after a broken connection, then let the sink verify it."""
+        """Receive ``desc`` into ``sink`` (``start``, ``wanted``, ``size``, ``take``, ``reset``,
+        ``finish``): the ``wanted`` bytes from blob offset ``start``, resuming with Range after a
+        broken connection, then let the sink verify them."""
         client = self.client
         buf = bytearray(RECV_SIZE)
         view = memoryview(buf)
         failures = restarts = 0
         while True:
-            headers = {"Accept-Encoding": "identity"}  # the digest is over the stored bytes
-            if sink.size:
-                headers["Range"] = f"bytes={sink.size}-"
+            headers = {"Accept-Encoding": "identity"}  # the digests are over the stored bytes
+            at = sink.start + sink.size
+            if at or sink.start + sink.wanted < desc.size:
+                headers["Range"] = f"bytes={at}-{sink.start + sink.wanted - 1}"
             try:
                 r = client.request("GET", f"/v2/{self.repo}/blobs/{desc.digest}", scope=f"repository:{self.repo}:pull", stream=True,
                                    headers=headers, ok=(200, 206), allow=(404,))
                 with r:
                     if r.status_code == 404:
                         raise NotFoundError(f"blob {desc.digest} is missing from {self.rc.ref.registry}/{self.repo}")
-                    if sink.size and r.status_code == 200:  # the server ignored Range: start over
-                        restarts += 1
-                        if restarts > client.retries:
-                            raise RegistryError(f"download of {desc.digest} from {client.registry} kept breaking off and the registry "
-                                                "ignores Range; try again later")
+                    if "Range" in headers and r.status_code == 200:  # the server ignored Range: the whole blob comes
+                        if sink.size:
+                            restarts += 1
+                            if restarts > client.retries:
+                                raise RegistryError(f"download of {desc.digest} from {client.registry} kept breaking off and the "
+                                                    "registry ignores Range; try again later")
                         self.progress.advance(-sink.size)
                         self._count(-sink.size)
-                        sink.reset()
+                        sink.reset(0)
+                        self.progress.add_total(desc.size - sink.wanted)
+                        sink.end = desc.size
                     for n in read_body_into(r, view):
                         if self.abort.is_set():
                             raise _Aborted()
-                        if sink.size + n > desc.size:
+                        if sink.size + n > sink.wanted:
                             raise IntegrityError(f"blob {desc.digest} from {client.registry} is larger than its descriptor says; refusing it")
                         sink.take(buf, n)
                         self.progress.advance(n)
                         self._count(n)
-                if sink.size < desc.size:
-                    raise requests.ConnectionError(f"stream ended at {sink.size} of {desc.size} bytes")
+                if sink.size < sink.wanted:
+                    raise requests.ConnectionError(f"stream ended at {sink.size} of {sink.wanted} bytes")
                 break
             except requests.RequestException as exc:
                 failures += 1
@@ -458,7 +493,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         raise UsageError(f"{dest} already exists and is not an empty directory; choose a new path")
     dest.parent.mkdir(parents=True, exist_ok=True)
     prog = progress or NullProgress()
-    prog.add_total(sum(d.size for d in pl.tar_layers) + sum(b.descriptor.size for b in pl.blobs))
+    prog.add_total(sum(d.size for d in pl.tar_layers) + sum(blob_span(b)[1] - blob_span(b)[0] for b in pl.blobs))
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
     fds: dict[str, int] = {}
     fetch = _Fetch(rc, prog)

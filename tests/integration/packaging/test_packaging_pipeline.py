@@ -227,3 +227,23 @@ def test_registry_dying_during_pipelined_push_leaves_no_tag(tmp_path: Path, regi
     assert killer.killed.is_set()
     registry.start()
     assert not registry.has_tag("gs-pkg/dying-push", "v1")
+
+
+def test_direct_restore_of_a_checkpoint_sharing_packs_fetches_only_what_it_uses(tmp_path: Path, registry: Registry) -> None:
+    """The second checkpoint references pieces in the first one's packs (dedup); its restore
+    asks the registry only for the byte span of each pack that holds pieces it uses."""
+    first = _checkpoint_dir(tmp_path / "ck1", 80, seed=21)
+    second = tmp_path / "ck2"
+    second.mkdir()
+    data = (first / "pages-1.img").read_bytes()
+    (second / "pages-1.img").write_bytes(data[len(data) // 2:])
+    (second / "pstree.img").write_bytes((first / "pstree.img").read_bytes())
+    store = tmp_path / "store"
+    _pipelined_push(store, first, "gs-pkg/share:1", f"{registry.host}/gs-pkg/share:1", compress=False)
+    _pipelined_push(store, second, "gs-pkg/share:2", f"{registry.host}/gs-pkg/share:2", compress=False)
+    rc = open_remote(f"{registry.host}/gs-pkg/share:2", insecure=True)
+    out = api.fetch_into(tmp_path / "store2", rc, tmp_path / "out")
+    assert files_of(out.dest) == files_of(second)
+    layers = sum(d["size"] for d in rc.manifest["layers"])
+    print(f"received {out.bytes_received} of {layers} bytes of layers")
+    assert out.bytes_received < layers

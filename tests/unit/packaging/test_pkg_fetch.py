@@ -118,3 +118,22 @@ def test_router_refuses_garbage_where_a_zstd_frame_should_be(tmp_path: Path) -> 
     junk = os.urandom(10_000)
     with pytest.raises(IntegrityError, match="decompress|holds"):
         _route(tmp_path, junk, [Placement("f", 0, 0, len(junk), 20_000, True, None)], 20_000)
+
+
+def test_a_blob_whose_pieces_carry_digests_is_received_only_over_their_span(tmp_path: Path) -> None:
+    from gpusnap.packaging.fetch import blob_span
+
+    unused, piece, tail = os.urandom(30_000), os.urandom(20_000), os.urandom(10_000)
+    blob = unused + piece + tail  # a pack shared with an older checkpoint: only `piece` is needed
+    pl = Placement("f", 0, len(unused), len(piece), len(piece), False, hashlib.sha256(piece).digest())
+    bp = BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(blob), len(blob)), [pl])
+    assert blob_span(bp) == (len(unused), len(unused) + len(piece))
+    v1 = BlobPlan(bp.descriptor, [Placement("f", 0, len(unused), len(piece), len(piece), False, None)])
+    assert blob_span(v1) == (0, len(blob))  # the blob digest verifies it: all of it is needed
+    fds = {"f": _create_sparse(tmp_path, "f", len(piece))}
+    router = _BlobRouter(bp, fds)
+    span = bytearray(piece)
+    router.take(span, len(span))
+    router.finish()
+    os.close(fds["f"])
+    assert (tmp_path / "f").read_bytes() == piece
