@@ -54,7 +54,7 @@ def phase(name: str, root: Path, remote: str) -> dict[str, float]:
     src = root / "src"
     t0 = time.monotonic()
     out: dict[str, float] = {}
-    if name == "push-before":
+    if name in ("push-before", "push-seq"):
         api.store_checkpoint(root / "store-a", src, form="criu-dir", ref="bench/wire")
         out["store_s"] = time.monotonic() - t0
         api.push(root / "store-a", "bench/wire", remote, insecure=True)
@@ -67,7 +67,7 @@ def phase(name: str, root: Path, remote: str) -> dict[str, float]:
             raise
         out["store_s"] = time.monotonic() - t0
         pipe.finish("bench/wire")
-    elif name == "pull-before":
+    elif name in ("pull-before", "pull-seq"):
         ref = api.pull(root / "store-c", remote, insecure=True)
         out["pull_s"] = time.monotonic() - t0
         api.materialize_checkpoint(root / "store-c", ref, root / "out-before", form="criu-dir")
@@ -148,7 +148,9 @@ def main() -> None:
         for _ in range(args.rounds):
             # Each variant pulls what its own push made (the "before" code may not read the
             # format the "after" code writes).
-            for variant in ("before", "after"):
+            # before: the --before-src code (store then push; pull then materialize); seq: this
+            # code on those old paths (isolates the pipelined push and the direct fetch); after.
+            for variant in (("before", "seq", "after") if args.before_src else ("before", "after")):
                 code = args.before_src if variant == "before" else None
                 for d in ("store-a", "store-b", "store-c", "store-d", "out-before", "out-after"):
                     shutil.rmtree(root / d, ignore_errors=True)
@@ -156,6 +158,8 @@ def main() -> None:
                 shutil.rmtree(reg.root / "data", ignore_errors=True)
                 reg.start()
                 results.setdefault(f"push-{variant}", []).append(run_phase(f"push-{variant}", root, remote, code))
+                for d in ("store-a", "store-b"):  # tmpfs space for the pull
+                    shutil.rmtree(root / d, ignore_errors=True)
                 results.setdefault(f"pull-{variant}", []).append(run_phase(f"pull-{variant}", root, remote, code))
             for d in ("store-a", "store-b", "store-c", "store-d", "out-before", "out-after"):
                 shutil.rmtree(root / d, ignore_errors=True)
@@ -166,7 +170,9 @@ def main() -> None:
     floor = {k: min(r[k] for r in results["curl-floor"]) for k in ("put_s", "get_s")}
     lines = [f"checkpoint {size / (1 << 30):.2f} GiB ({size} bytes), {os.cpu_count()} cores, root {root}",
              f"curl PUT {floor['put_s']:.2f} s ({gb / floor['put_s']:.2f} GB/s), GET {floor['get_s']:.2f} s ({gb / floor['get_s']:.2f} GB/s)"]
-    for name in ("push-before", "push-after", "pull-before", "pull-after"):
+    for name in ("push-before", "push-seq", "push-after", "pull-before", "pull-seq", "pull-after"):
+        if name not in best:
+            continue
         r = best[name]
         ref = floor["put_s"] if name.startswith("push") else floor["get_s"]
         extra = "".join(f", {k} {v:.2f} s" for k, v in r.items() if k not in ("seconds", "peak_rss_mib"))
