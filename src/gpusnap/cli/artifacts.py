@@ -21,12 +21,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from gpusnap.config import load_settings
+from gpusnap.config import Settings, load_settings
 from gpusnap.errors import GpusnapError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-StoreOpt = typer.Option(None, "--store", help="local OCI store directory (default: Settings.store_dir, GPUSNAP_STORE)")
+StoreOpt = typer.Option(
+    None, "--store", help=f"local OCI store directory (default: $GPUSNAP_STORE, else store_dir in the config file, else {Settings.store_dir})"
+)
 JsonOpt = typer.Option(False, "--json", help="print JSON instead of a table")
 InsecureOpt = typer.Option(False, "--insecure", help="plain HTTP to the registry (a local test registry)")
 
@@ -122,21 +124,60 @@ def _pull(
     _console().print(f"pulled {remote} as {ref}")
 
 
-def _when(created: str) -> str:
-    """RFC 3339 → ``YYYY-MM-DD HH:MM`` (UTC) to keep the table inside 80 columns."""
-    return created.replace("T", " ")[:16] if len(created) >= 16 else created
+def ls_table(rows: list[dict[str, Any]], width: int = 80, now: float | None = None) -> Any:
+    """The ``gpusnap ls`` listing laid out to ``width`` columns.
 
+    References stay whole (never wrapped or cut: they are copied from here), and so do the age
+    ("3h ago") and the size; the digest shrinks (12 hex digits down to 7) and the container name
+    folds to make room. When even that leaves no room beside the longest reference, each
+    reference gets a line of its own with its details indented under it. Widths are set here
+    because rich, given a no-wrap column that needs most of the line, squeezes the other no-wrap
+    columns to an ellipsis instead.
+    """
+    from rich.console import Group
+    from rich.text import Text
 
-def ls_table(rows: list[dict[str, Any]]) -> Table:
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    t.add_column("REFERENCE", overflow="fold", ratio=3)
-    t.add_column("DIGEST", no_wrap=True)
-    t.add_column("CONTAINER", overflow="fold", ratio=1)
-    t.add_column("CREATED", no_wrap=True)
-    t.add_column("SIZE", justify="right", no_wrap=True)
-    for r in rows:
-        t.add_row(r["ref"], short(r["digest"]), r.get("container", ""), _when(r.get("created", "")), human_size(r.get("size", 0)))
-    return t
+    from gpusnap.cli.output import age
+
+    cells = [(r["ref"], short(r["digest"]), r.get("container", ""), age(r.get("created", ""), now), human_size(r.get("size", 0))) for r in rows]
+    heads = ("REFERENCE", "DIGEST", "CONTAINER", "CREATED", "SIZE")
+    longest = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(heads)]
+    gaps = 3 * (len(heads) - 1)  # padding each side and the box's divider between columns, none at the edges
+    room = width - gaps - longest[0] - longest[3] - longest[4]
+    if room >= 7 + len(heads[2]):  # everything on one line per checkpoint
+        digest_w = max(7, min(longest[1], room - min(longest[2], 12)))
+        container_w = min(longest[2], max(len(heads[2]), room - digest_w))
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        t.add_column(heads[0], no_wrap=True, width=longest[0])
+        t.add_column(heads[1], no_wrap=True, overflow="crop", width=digest_w)
+        t.add_column(heads[2], overflow="fold", width=container_w)
+        t.add_column(heads[3], no_wrap=True, width=longest[3])
+        t.add_column(heads[4], justify="right", no_wrap=True, width=longest[4])
+        for c in cells:
+            t.add_row(*c)
+        return t
+    # Stacked: the reference alone on its line, the rest indented below it.
+    indent = 2
+    room = width - indent - 2 * 3 - longest[3] - longest[4]
+    digest_w = max(7, min(longest[1], room - min(longest[2], 12)))
+    container_w = min(longest[2], max(len(heads[2]), room - digest_w))
+
+    def details(row: tuple[str, ...] | None) -> Table:
+        t = Table(box=None, pad_edge=False, show_header=row is None, padding=(0, 1), header_style="bold")
+        t.add_column(heads[1], no_wrap=True, overflow="crop", width=digest_w)
+        t.add_column(heads[2], overflow="fold", width=container_w)
+        t.add_column(heads[3], no_wrap=True, width=longest[3])
+        t.add_column(heads[4], justify="right", no_wrap=True, width=longest[4])
+        if row is not None:
+            t.add_row(*row)
+        return t
+
+    from rich.padding import Padding
+
+    parts: list[Any] = [Text(heads[0], style="bold"), Padding(details(None), (0, 0, 0, indent))]
+    for c in cells:
+        parts += [Text(c[0], no_wrap=True, overflow="ignore"), Padding(details(c[1:]), (0, 0, 0, indent))]
+    return Group(*parts)
 
 
 def _ls(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
@@ -147,7 +188,8 @@ def _ls(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     if as_json:
         _print_json(rows)
         return
-    _console().print(ls_table(rows))
+    console = _console()
+    console.print(ls_table(rows, console.width))
 
 
 def _rm(

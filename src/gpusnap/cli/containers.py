@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Column
 
+from gpusnap.cli.context import get_ctx, require_root
 from gpusnap.cli.output import age
 from gpusnap.engines.runc_direct import BUSYBOX_ROOTFS, RuncDirectEngine
 from gpusnap.errors import NotFoundError
@@ -22,13 +23,11 @@ def register(app: typer.Typer) -> None:
         rootfs_overlay: Annotated[Optional[str], typer.Option("--rootfs-overlay", help="Run on an overlay of this directory (read-only lower, e.g. /) with a private writable layer, instead of --rootfs.")] = None,
         network: Annotated[str, typer.Option("--network", help="none (loopback only) or bridge.")] = "none",
         env: Annotated[Optional[list[str]], typer.Option("--env", "-E", help="KEY=VALUE, repeatable.")] = None,
-        publish: Annotated[Optional[list[str]], typer.Option("--publish", "-p", help="HOST:CONTAINER[/tcp|udp] with --network bridge, repeatable.")] = None,
+        publish: Annotated[Optional[list[str]], typer.Option("--publish", "-p", help=r"HOST:CONTAINER\[/tcp|udp] with --network bridge, repeatable.")] = None,
         ip: Annotated[Optional[str], typer.Option("--ip", help="Address on the bridge, with --network bridge; default: the next free one.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the container as JSON.")] = False,
     ) -> None:
         """Run a container on gpusnap's embedded engine (runc-direct), detached."""
-        from gpusnap.cli.main import get_ctx, require_root
-
         require_root("gpusnap run")
         c = get_ctx(ctx)
         argv = list(command)[1:] if command and command[0] == "--" else list(command)
@@ -44,8 +43,6 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
     ) -> None:
         """List runc-direct containers."""
-        from gpusnap.cli.main import get_ctx
-
         c = get_ctx(ctx)
         items = RuncDirectEngine(c.settings).list()
         if as_json:
@@ -69,8 +66,6 @@ def register(app: typer.Typer) -> None:
         tail: Annotated[int, typer.Option("--tail", help="Only the last N lines (0: all).")] = 0,
     ) -> None:
         """Print a runc-direct container's output."""
-        from gpusnap.cli.main import get_ctx
-
         c = get_ctx(ctx)
         eng = RuncDirectEngine(c.settings)
         info = eng.get(name)
@@ -87,8 +82,6 @@ def register(app: typer.Typer) -> None:
         names: Annotated[list[str], typer.Argument(help="runc-direct container name(s).")],
     ) -> None:
         """Stop and delete runc-direct containers (their checkpoints stay in the store)."""
-        from gpusnap.cli.main import get_ctx
-
         c = get_ctx(ctx)
         eng = RuncDirectEngine(c.settings)
         infos = []

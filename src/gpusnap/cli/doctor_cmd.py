@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from gpusnap.cli.context import get_ctx
 from gpusnap.doctor import FAIL, run_checks
 from gpusnap.errors import ExitCode
 
@@ -17,8 +18,6 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the checks as JSON.")] = False,
     ) -> None:
         """Check CRIU, the kernel, runc, the engines, the GPU driver and the store; say how to fix what fails."""
-        from gpusnap.cli.main import get_ctx
-
         c = get_ctx(ctx)
         checks = run_checks(c.settings)
         failed = [ch for ch in checks if ch.status == FAIL]

@@ -8,26 +8,18 @@ from __future__ import annotations
 
 import sys
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from gpusnap import __version__
+from gpusnap.cli.context import Ctx, get_ctx, require_root
 from gpusnap.cli.output import Out
-from gpusnap.config import Settings, load_settings
-from gpusnap.errors import ExitCode, GpusnapError, UsageError
+from gpusnap.config import load_settings
+from gpusnap.errors import ExitCode, GpusnapError
 
 EPILOG = "Exit codes: " + ", ".join(f"{c.value} {c.name.lower().replace('_', ' ')}" for c in ExitCode) + "."
-
-
-@dataclass(frozen=True)
-class Ctx:
-    """What every command gets from the global options (kept in click's context object)."""
-
-    settings: Settings
-    out: Out
 
 
 def _print_version(value: bool) -> None:
@@ -100,21 +92,6 @@ def main(argv: list[str] | None = None) -> None:
         msg = " ".join(str(exc).split()) or type(exc).__name__
         print(f"gpusnap: internal error: {type(exc).__name__}: {msg} (run again with -v for details and report it)", file=sys.stderr)
         sys.exit(int(ExitCode.FAILURE))
-
-
-def require_root(what: str) -> None:
-    """CRIU and runc need root; say so up front instead of failing halfway through."""
-    import os
-
-    if os.geteuid() != 0:
-        raise UsageError(f"{what} needs root (CRIU and runc do); run it with sudo")
-
-
-def get_ctx(ctx: typer.Context) -> Ctx:
-    obj = ctx.find_root().obj
-    if not isinstance(obj, Ctx):  # called without the callback (tests calling commands directly)
-        obj = Ctx(settings=load_settings(), out=Out.make())
-    return obj
 
 
 __all__ = ["main", "build_app", "get_ctx", "require_root", "Ctx"]
