@@ -118,15 +118,24 @@ def check_engines(settings: Settings) -> list[Check]:
     from gpusnap.engines.docker import DockerEngine
     from gpusnap.engines.podman import PodmanEngine
     from gpusnap.engines.runc_direct import RuncDirectEngine, busybox_binary
+    from gpusnap.errors import MissingDependencyError
 
     out = []
     rd = RuncDirectEngine(settings)
     try:
         rd.require()
-        busybox_binary()
-        out.append(Check("engine runc-direct", OK, f"state in {rd.home}, runtime {rd.runtime_name()}"))
+        detail = f"state in {rd.home}, runtime {rd.runtime_name()}"
+        try:
+            busybox_binary()
+            out.append(Check("engine runc-direct", OK, detail))
+        except MissingDependencyError:
+            # Only the default root filesystem needs busybox: the rest of the engine works.
+            out.append(Check("engine runc-direct", WARN, f"{detail}; busybox not found on PATH, so `gpusnap run` needs a root "
+                             "filesystem: `gpusnap run --rootfs-overlay / NAME -- CMD` (or --rootfs DIR) works; "
+                             "checkpoint, restore and the other engines are unaffected",
+                             "install busybox-static for the default busybox root filesystem"))
     except Exception as exc:  # noqa: BLE001 - each check reports, none stops the others
-        out.append(Check("engine runc-direct", FAIL, str(exc), "install runc and busybox-static"))
+        out.append(Check("engine runc-direct", FAIL, str(exc), "install runc"))
     podman = PodmanEngine()
     if shutil.which("podman") is None:
         out.append(Check("engine podman", OK, "not installed (optional)"))

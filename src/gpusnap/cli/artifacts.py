@@ -197,15 +197,28 @@ def _rm(
     store: Path | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Remove checkpoint references from the local store."""
+    """Remove checkpoint references from the local store.
+
+    Removes every REF that exists and reports each that does not, then exits with the first
+    failure's code (3 for a missing reference), as `gpusnap delete` does for containers.
+    """
     from gpusnap.packaging import api
 
-    removed = [{"ref": r, "digest": api.remove(_store(store), r)} for r in refs]
+    removed: list[dict[str, str]] = []
+    failures: list[GpusnapError] = []
+    for ref in dict.fromkeys(refs):
+        try:
+            removed.append({"ref": ref, "digest": api.remove(_store(store), ref)})
+        except GpusnapError as exc:
+            print(f"gpusnap: {exc}", file=sys.stderr)
+            failures.append(exc)
+            continue
+        if not as_json:
+            _console().print(f"removed {ref} ({short(removed[-1]['digest'])})")
     if as_json:
         _print_json(removed)
-        return
-    for r in removed:
-        _console().print(f"removed {r['ref']} ({short(r['digest'])})")
+    if failures:
+        raise typer.Exit(int(failures[0].exit_code))
 
 
 def _gc(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:

@@ -30,6 +30,10 @@ def register(app: typer.Typer) -> None:
                 if ch.fix and ch.status != "ok":
                     line += f" -> fix: {ch.fix}"
                 c.out.stdout.print(line, soft_wrap=True)
-            c.out.info("all checks passed" if not failed else f"{len(failed)} check(s) failed")
+            warned = sum(ch.status == "warn" for ch in checks)
+            if failed:
+                c.out.info(f"{len(failed)} check(s) failed")
+            else:
+                c.out.info("all checks passed" + (f" ({warned} warning{'s' if warned > 1 else ''})" if warned else ""))
         if failed:
             raise typer.Exit(int(ExitCode.MISSING_DEPENDENCY))

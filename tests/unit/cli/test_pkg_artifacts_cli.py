@@ -121,3 +121,12 @@ def test_ls_keeps_references_whole_at_any_width(width: int) -> None:
         assert any(r["ref"] in line for line in lines), (r["ref"], lines)
         assert any("abababa"[: 7] in line or "cdcdcdc" in line for line in lines)
     assert any("3.0 GiB" in line for line in lines) and any("3.0 MiB" in line for line in lines)
+
+
+def test_rm_removes_what_exists_and_reports_the_rest(app: typer.Typer, store: Path) -> None:
+    ref = "127.0.0.1:5100/gs-pkg/a-rather-long-repository-name/checkpoint:v1"
+    r = CliRunner().invoke(app, ["rm", "no/such:ref", ref, "--store", str(store)], env={"COLUMNS": "80"})
+    assert r.exit_code == ExitCode.NOT_FOUND
+    assert f"removed {ref}" in r.stdout
+    assert "no/such:ref" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert api.list_checkpoints(store) == []
