@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from gpusnap.config import Settings, load_settings
-from gpusnap.errors import GpusnapError, UsageError
+from gpusnap.errors import ExitCode, GpusnapError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -304,20 +304,48 @@ def inspect_renderables(info: Any) -> list[Any]:
     return out
 
 
+def _looks_remote(target: str) -> bool:
+    """HOST[:PORT]/REPOSITORY...: the first component names a registry host."""
+    first, _, rest = target.partition("/")
+    return bool(rest) and ("." in first or ":" in first or first == "localhost")
+
+
 def _inspect(
-    target: str = typer.Argument(..., help="a stored reference, or a checkpoint directory / podman archive on disk"),
+    target: str = typer.Argument(..., help="a stored reference, a reference in a registry (HOST[:PORT]/REPOSITORY:TAG), or a checkpoint directory / podman archive on disk"),
     form: str | None = typer.Option(None, "--form", help="form of a PATH: criu-dir, podman-archive, docker-dir (guessed)"),
+    remote: bool = typer.Option(False, "--remote", help="read the registry even when the local store has this reference (implied by --insecure)"),
+    insecure: bool = InsecureOpt,
     store: Path | None = StoreOpt,
     as_json: bool = JsonOpt,
     decrypt_key: list[Path] | None = typer.Option(None, "--decrypt-key", metavar="KEYFILE", help="show the full config of an encrypted checkpoint"),
 ) -> None:
-    """Show a checkpoint: container, image, sizes per layer, process tree, GPUs, timings."""
+    """Show a checkpoint: container, image, sizes per layer, process tree, GPUs, timings.
+
+    A registry reference that is not in the local store is read from the registry: its manifest
+    and config only, no layer is downloaded and nothing is stored.
+    """
     from gpusnap.packaging import api
     from gpusnap.packaging.crypto import load_decryption_keys
 
     path = Path(target)
     keys = {"decryption": load_decryption_keys(decrypt_key)} if decrypt_key else {}
-    info = api.inspect_path(path, form=form) if path.exists() else api.inspect(_store(store), target, **keys)
+    if (remote or insecure) and not _looks_remote(target):
+        raise UsageError(f"{target} is not a registry reference; use HOST[:PORT]/REPOSITORY[:TAG|@DIGEST] with --remote/--insecure")
+    if remote or insecure:
+        info = api.inspect_remote(target, insecure=insecure, **keys)
+    elif path.exists():
+        info = api.inspect_path(path, form=form)
+    else:
+        try:
+            info = api.inspect(_store(store), target, **keys)
+        except GpusnapError as exc:
+            if exc.exit_code != ExitCode.NOT_FOUND or not _looks_remote(target):
+                raise
+            try:
+                info = api.inspect_remote(target, **keys)
+            except GpusnapError as remote_exc:
+                raise GpusnapError(f"{target} is not in the local store ({_store(store)}), and the registry: {remote_exc}",
+                                   exit_code=remote_exc.exit_code) from None
     if as_json:
         _print_json(info.to_dict())
         return

@@ -36,8 +36,18 @@ def test_doctor_without_busybox_warns_and_says_what_works(gs: Gs, tmp_path) -> N
     from pathlib import Path
 
     assert shutil_which("busybox"), "the test host has busybox (tests/host/provision.sh)"
-    path = [d for d in os.environ["PATH"].split(":") if d and not (Path(d) / "busybox").exists()]
-    path.insert(0, str(Path(sys.executable).parent))
+    # A host without busybox: each PATH directory that has it is replaced by a copy of its
+    # links minus busybox (dropping /usr/bin itself would take CRIU's and runc's tools too).
+    path = [str(Path(sys.executable).parent)]
+    for i, d in enumerate(os.environ["PATH"].split(":")):
+        if d and (Path(d) / "busybox").exists():
+            shadow = tmp_path / f"path{i}"
+            shadow.mkdir()
+            for entry in Path(d).iterdir():
+                if entry.name != "busybox":
+                    (shadow / entry.name).symlink_to(entry)
+            d = str(shadow)
+        path.append(d)
     env = {"PATH": ":".join(path)}
     proc = gs("doctor", env=env)  # exit 0: a warning is not a failure
     report = json.loads(gs("doctor", "--json", env=env).stdout)
@@ -60,3 +70,38 @@ def shutil_which(name: str) -> str | None:
     import shutil
 
     return shutil.which(name)
+
+
+def test_inspect_remote_reads_manifest_and_config_only(gs: Gs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import re
+
+    from stack.registry import CLI_PORTS, Registry
+
+    name = unique("rd-insp")
+    with Registry(tmp_path / "registry", CLI_PORTS, log_level="info") as reg:
+        remote = f"{reg.host}/gs-cli/inspect-remote:v1"
+        try:
+            gs("run", name, "--", "sh", "-c", COUNTER)
+            gs("checkpoint", name, "--leave-running", "--push", remote, "--insecure")
+        finally:
+            gs("delete", name, check=False)
+        [local] = gs.json("ls")  # type: ignore[misc]
+        local_info = gs.json("inspect", local["ref"])  # type: ignore[index]
+        layer_digests = {la["digest"] for la in local_info["layers"]}  # type: ignore[index]
+        before = reg.log.read_text()
+        other = {"GPUSNAP_STORE": str(tmp_path / "empty-store")}
+        proc = gs("inspect", remote, "--insecure", "--json", env=other)
+        info = json.loads(proc.stdout)
+        assert info["ref"] == remote and info["form"] == local_info["form"]  # type: ignore[index]
+        assert info["container"]["name"] == name and info["layers"] == local_info["layers"]  # type: ignore[index]
+        assert info["process_tree"] == local_info["process_tree"]  # type: ignore[index]
+        # The table too, within 80 columns.
+        shown = gs("inspect", remote, "--insecure", env=other).stdout
+        assert remote in shown and max(len(ln) for ln in shown.splitlines()) <= 80
+        # Nothing stored, and no layer fetched: only manifests and the config blob.
+        assert not (tmp_path / "empty-store").exists() or not any((tmp_path / "empty-store").rglob("sha256/*"))
+        new_log = reg.log.read_text()[len(before):].splitlines()
+        fetched = [d for ln in new_log if "GET" in ln for d in re.findall(r"/v2/gs-cli/inspect-remote/blobs/(sha256:[0-9a-f]{64})", ln)]
+        assert fetched and not set(fetched) & layer_digests, fetched
+        missing = gs("inspect", f"{reg.host}/gs-cli/inspect-remote:nope", "--insecure", check=False, env=other)
+        assert missing.returncode == 3 and len(missing.stderr.strip().splitlines()) == 1, missing
