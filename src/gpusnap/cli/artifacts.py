@@ -1,4 +1,4 @@
-"""``gpusnap push|pull|ls|rm|gc|inspect``: checkpoints as OCI artifacts, from the command line.
+"""``gpusnap push|pull|import|ls|rm|gc|inspect|verify``: checkpoints as OCI artifacts, from the command line.
 
 Thin: every command calls :mod:`gpusnap.packaging.api` and renders the result, as a rich table
 (readable at 80 columns) or, with ``--json``, the same data as JSON on stdout.
@@ -72,7 +72,7 @@ def _print_json(data: Any) -> None:
 
 
 def _push(
-    ref: str = typer.Argument(..., help="local checkpoint reference (see `gpusnap ls`)"),
+    ref: str = typer.Argument(..., help="local checkpoint reference (see `gpusnap ls`), or a checkpoint on disk (as `gpusnap import` takes), stored first under REMOTE"),
     remote: str = typer.Argument(..., help="HOST[:PORT]/REPOSITORY[:TAG]"),
     insecure: bool = InsecureOpt,
     subject: str | None = typer.Option(None, "--subject", help="image in the same repository to attach the checkpoint to (referrers)"),
@@ -87,6 +87,11 @@ def _push(
     from gpusnap.packaging import api
     from gpusnap.packaging.crypto import encryption_from_options
 
+    if Path(ref).exists():
+        shown = ref
+        ref = import_path(Path(ref), remote, _store(store)).ref
+        if not as_json:
+            _console().print(f"imported {shown} as {ref}", soft_wrap=True)
     if podman_image:
         from gpusnap.engines.flows import PODMAN_IMAGE_ENCRYPTED, push_podman_image
 
@@ -102,6 +107,42 @@ def _push(
     _console().print(f"pushed {ref} → {r.remote}" + (" as a podman checkpoint image" if podman_image else "")
                      + f"\n  digest {r.digest}\n  uploaded {human_size(r.uploaded_bytes)}, "
                      f"already there {human_size(r.skipped_bytes)} ({r.mounted_blobs} mounted), {r.blobs} blobs, {r.seconds:.1f} s")
+
+
+def _guess_form(path: Path) -> str:
+    """The form of a checkpoint on disk: a docker checkpoint directory (gpusnap's record in it),
+    any other directory as CRIU images, a file as a podman export archive (its reader checks)."""
+    from gpusnap.engines.docker import CONTAINER_RECORD
+
+    if path.is_dir():
+        return "docker-dir" if (path / CONTAINER_RECORD).is_file() else "criu-dir"
+    if path.is_file():
+        return "podman-archive"
+    raise UsageError(f"{path} does not exist; give a podman export archive or a checkpoint directory")
+
+
+def import_path(path: Path, ref: str, store: Path, *, form: str | None = None, compress: bool = False) -> Any:
+    """Store the checkpoint at ``path`` under ``ref`` (what `import` and `push PATH` share)."""
+    from gpusnap.packaging import api
+
+    return api.store_checkpoint(store, path, form=form or _guess_form(path), ref=ref, compress=compress)
+
+
+def _import(
+    path: Path = typer.Argument(..., help="podman export archive (.tar, .tar.gz, .tar.zst), CRIU image directory, or docker checkpoint directory"),
+    ref: str = typer.Argument(..., help="reference to store it under, e.g. HOST[:PORT]/REPOSITORY:TAG to push it there later"),
+    form: str | None = typer.Option(None, "--form", help="criu-dir, podman-archive or docker-dir (default: guessed from PATH)"),
+    compress: bool = typer.Option(False, "--compress", help="compress the stored layers (zstd)"),
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Put a checkpoint made outside gpusnap (`podman container checkpoint --export`, `runc
+    checkpoint`) into the local store, ready for `gpusnap push`, `inspect` and `restore`."""
+    r = import_path(path, ref, _store(store), form=form, compress=compress)
+    if as_json:
+        _print_json(asdict(r))
+        return
+    _console().print(f"imported {path} as {r.ref}\n  digest {r.digest}\n  {human_size(r.size)}, {r.layers} layers", soft_wrap=True)
 
 
 def _pull(
@@ -373,6 +414,7 @@ def register(app: typer.Typer) -> None:
     """Add push, pull, ls, rm, gc and inspect to the ``gpusnap`` app."""
     app.command("push")(_fail_cleanly(_push))
     app.command("pull")(_fail_cleanly(_pull))
+    app.command("import")(_fail_cleanly(_import))
     app.command("ls")(_fail_cleanly(_ls))
     app.command("rm")(_fail_cleanly(_rm))
     app.command("gc")(_fail_cleanly(_gc))

@@ -105,3 +105,36 @@ def test_inspect_remote_reads_manifest_and_config_only(gs: Gs, tmp_path) -> None
         assert fetched and not set(fetched) & layer_digests, fetched
         missing = gs("inspect", f"{reg.host}/gs-cli/inspect-remote:nope", "--insecure", check=False, env=other)
         assert missing.returncode == 3 and len(missing.stderr.strip().splitlines()) == 1, missing
+
+
+def test_import_and_push_a_podman_export_then_restore_it(gs: Gs, podman_counter: str, registry: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from .conftest import podman_logs, wait_numbers
+
+    wait_numbers(lambda: podman_logs(podman_counter), 3)
+    archive = tmp_path / "export.tar.zst"
+    subprocess.run(["podman", "container", "checkpoint", "--export", str(archive), "--compress", "zstd", podman_counter],
+                   check=True, capture_output=True)
+    subprocess.run(["podman", "rm", "-f", "-t", "0", podman_counter], check=True, capture_output=True)
+    # import PATH REF: into the local store, as any checkpoint of gpusnap's own.
+    local = "localhost/gs-cli/imported:v1"
+    out = json.loads(gs("import", str(archive), local, "--json").stdout)
+    assert out["ref"] == local and out["layers"] >= 3
+    info = gs.json("inspect", local)
+    assert info["form"] == "podman-archive" and info["container"]["name"] == podman_counter  # type: ignore[index]
+    assert info["engine"]["name"] == "podman"  # type: ignore[index]
+    # push PATH REMOTE: stored under REMOTE first, then uploaded.
+    remote = f"{registry}/gs-cli/imported:v1"
+    proc = gs("push", str(archive), remote, "--insecure")
+    assert proc.stdout.startswith(f"imported {archive} as {remote}\npushed {remote}")
+    listed = {r["ref"]: r["digest"] for r in gs.json("ls")}  # type: ignore[union-attr,index]
+    assert sorted(listed) == sorted([local, remote])
+    assert gs.json("inspect", remote, "--insecure")["digest"] == listed[remote]  # type: ignore[index]
+    # And it restores from the registry, through podman, going on from where it stopped.
+    gs("rm", local, remote)
+    restored = podman_counter + "-restored"
+    gs("restore", remote, "--insecure", "--name", restored)
+    before = max(wait_numbers(lambda: podman_logs(restored), 1))
+    nums = wait_numbers(lambda: podman_logs(restored), 3 + before)
+    assert max(nums) > before
+    bad = gs("import", str(tmp_path / "nothing.tar"), "localhost/x:y", check=False)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
