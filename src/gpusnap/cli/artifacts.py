@@ -21,13 +21,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from gpusnap.config import Settings, load_settings
+from gpusnap.config import DEFAULT_CONFIG_FILE, Settings, load_settings
 from gpusnap.errors import ExitCode, GpusnapError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 StoreOpt = typer.Option(
-    None, "--store", help=f"local OCI store directory (default: $GPUSNAP_STORE, else store_dir in the config file, else {Settings.store_dir})"
+    None, "--store", help=f"local OCI store directory (default: $GPUSNAP_STORE, else store_dir in {DEFAULT_CONFIG_FILE}, else {Settings.store_dir})"
 )
 JsonOpt = typer.Option(False, "--json", help="print JSON instead of a table")
 InsecureOpt = typer.Option(False, "--insecure", help="plain HTTP to the registry (a local test registry)")
