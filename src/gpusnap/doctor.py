@@ -108,10 +108,27 @@ def check_runc(settings: Settings) -> list[Check]:
 
     shim = find_shim()
     if shim:
-        out.append(Check("gpusnap-runtime", OK, f"{shim}"))
+        out.append(_front_check(Path(shim)))
     else:
         out.append(Check("gpusnap-runtime", WARN, "not installed: runc-direct uses plain runc (CPU state only)", "pip install gpusnap on this host"))
     return out
+
+
+def _front_check(shim: Path) -> Check:
+    """gpusnap-runtime is a sh front that execs gpusnap-runtime-py, which must sit beside it
+    (or beside the file a link to it points at) for create, checkpoint and restore to work."""
+    try:
+        is_front = shim.read_bytes()[:9] == b"#!/bin/sh"
+    except OSError:
+        is_front = False
+    if not is_front:
+        return Check("gpusnap-runtime", OK, f"{shim}")
+    for d in (shim.parent, shim.resolve().parent):
+        py = d / "gpusnap-runtime-py"
+        if py.is_file() and os.access(py, os.X_OK):
+            return Check("gpusnap-runtime", OK, f"{shim} (passthrough in sh, the rest in {py})")
+    return Check("gpusnap-runtime", FAIL, f"{shim} has no gpusnap-runtime-py beside it: create, checkpoint and restore would fail",
+                 "reinstall gpusnap (pip install --force-reinstall gpusnap) so both scripts land in the same bin directory")
 
 
 def check_engines(settings: Settings) -> list[Check]:
