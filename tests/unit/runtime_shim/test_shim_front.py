@@ -65,12 +65,16 @@ class Tree:
         return (rc, out, err), started
 
 
-@pytest.fixture
-def tree(tmp_path: Path) -> Tree:
+# /bin/sh is dash on Debian, bash elsewhere; busybox's ash on small images.
+SHELLS = [sh for sh in ("/bin/sh", "/bin/bash", "/usr/bin/busybox sh") if Path(sh.split()[0]).is_file()]
+
+
+@pytest.fixture(params=SHELLS)
+def tree(tmp_path: Path, request: pytest.FixtureRequest) -> Tree:
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     front = bin_dir / "gpusnap-runtime"
-    front.write_bytes(FRONT_SRC.read_bytes())
+    front.write_bytes(FRONT_SRC.read_bytes().replace(b"#!/bin/sh\n", f"#!{request.param}\n".encode(), 1))
     front.chmod(0o755)
     # The real launcher's lines, plus one that records that Python started.
     shim_py = _exe(bin_dir / "gpusnap-runtime-py", (
