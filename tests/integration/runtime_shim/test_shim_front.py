@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,19 +45,27 @@ def test_passthrough_without_python_create_through_it(shim: Shim, tmp_path: Path
     root = ["--root", str(bundle.root)]
     spec_before = bundle.config()
     try:
-        run([str(front), *root, "create", "--bundle", str(bundle.path), cid], env=env, stdin=open(os.devnull))
+        # The container keeps create's stdio: a file, not a pipe that would never reach EOF.
+        with open(tmp_path / "container.out", "wb") as out:
+            created = subprocess.run([str(front), *root, "create", "--bundle", str(bundle.path), cid], env=env,
+                                     stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=60, check=False)
+        assert created.returncode == 0, (tmp_path / "container.out").read_text()
         assert log.read_text().splitlines() == [f"--root {bundle.root} create --bundle {bundle.path} {cid}"]
         assert bundle.config() != spec_before  # the spec modifiers ran (create is gpusnap's)
         run([str(front), *root, "start", cid], env=env)
         via_front = json.loads(run([str(front), *root, "--log", str(tmp_path / "runc.log"), "--log-format", "json", "state", cid], env=env).stdout)
         via_runc = json.loads(run([RUNC, *root, "state", cid]).stdout)
         assert via_front == via_runc and via_front["status"] == "running"
-        assert run([str(front), *root, "ps", cid], env=env).stdout == run([RUNC, *root, "ps", cid]).stdout
+        assert run([str(front), *root, "ps", "--format", "json", cid], env=env).stdout == run([RUNC, *root, "ps", "--format", "json", cid]).stdout
         run([str(front), *root, "kill", cid, "KILL"], env=env)
+        criu_conf = shim.run_dir / "criu" / f"{cid}.conf"
+        assert criu_conf.is_file()  # create's CRIU config, which delete drops
         run([str(front), *root, "delete", "--force", cid], env=env)
         assert run([RUNC, *root, "state", cid], check=False).returncode != 0
+        assert not criu_conf.exists()
         # Only create started Python; runc's own errors come through unchanged.
         assert len(log.read_text().splitlines()) == 1
+        assert (tmp_path / "container.out").read_text() == "hi\n"
         missing = run([str(front), *root, "state", cid], check=False, env=env)
         direct = run([RUNC, *root, "state", cid], check=False)
         assert (missing.returncode, missing.stdout) == (direct.returncode, direct.stdout) and missing.returncode != 0

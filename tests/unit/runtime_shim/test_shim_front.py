@@ -230,28 +230,27 @@ def test_which_calls_start_python(tree: Tree, argv: list[str], python: bool) -> 
     assert started == python
 
 
-def test_delete_hands_over_only_when_a_criu_config_must_go(tree: Tree) -> None:
+def test_delete_drops_the_criu_config_as_python_would(tree: Tree) -> None:
     conf = tree.base / "run" / "criu" / "c1.conf"
     (_, out, _), started = tree.both(["delete", "--force", "c1"])
     assert out == f"ran {tree.base}/a/runc with delete --force c1\n" and not started
     conf.parent.mkdir(parents=True)
-    for argv, gone in ((["delete", "c1", "c2"], False), (["--root", "/r", "delete", "-f", "c1"], True)):
+    for argv, gone in ((["delete", "c1", "c2"], False), (["--root", "/r", "delete", "-f", "c1"], True), (["delete", "c1"], True)):
         conf.write_text("tcp-established\n")
         rc, out, _, started = tree.run(tree.front, argv)
-        assert rc == 0 and out == f"ran {tree.base}/a/runc with {' '.join(argv)}\n"
-        assert started == gone and conf.exists() != gone
+        assert rc == 0 and out == f"ran {tree.base}/a/runc with {' '.join(argv)}\n" and not started
+        assert conf.exists() != gone
 
 
-def _python_passes_through(argv: list[str], conf_ids: set[str]) -> bool:
-    """What gpusnap.runtime_shim.main would do: nothing but exec runc."""
+def _python_would(argv: list[str], conf_ids: set[str]) -> tuple[bool, bool]:
+    """What gpusnap.runtime_shim.main would do: (act itself, drop a CRIU config) before exec."""
     inv = parse(argv)
-    if inv.command is None and inv.global_opts.get("version") and not inv.global_opts.get("help"):
-        return False
+    acts = bool(inv.command is None and inv.global_opts.get("version") and not inv.global_opts.get("help")) or _intercepts(inv)
+    drops = False
     if inv.command == "delete":
         ids = [a for a in inv.positionals if not a.startswith("-")]
-        if len(ids) == 1 and ids[0] in conf_ids:
-            return False
-    return not _intercepts(inv)
+        drops = len(ids) == 1 and ids[0] in conf_ids
+    return acts, drops
 
 
 TOKENS = st.sampled_from([
@@ -266,11 +265,14 @@ TOKENS = st.sampled_from([
 @given(argv=st.lists(TOKENS, max_size=6))
 def test_the_front_never_skips_what_python_would_do(tree: Tree, argv: list[str]) -> None:
     """For any command line: where the front execs runc itself, the Python shim would only have
-    exec'd that same runc (the front may hand over more than needed, never less)."""
+    exec'd that same runc, after dropping the same CRIU config (the front may hand over more than
+    needed, never less)."""
     conf = tree.base / "run" / "criu" / "c1.conf"
     conf.parent.mkdir(parents=True, exist_ok=True)
     conf.write_text("x\n")
     rc, out, err, started = tree.run(tree.front, argv)
     if not started:
-        assert _python_passes_through(argv, {"c1"}), argv
+        acts, drops = _python_would(argv, {"c1"})
+        assert not acts, argv
+        assert conf.exists() != drops, argv
         assert (rc, out) == (0, f"ran {tree.base}/a/runc with {' '.join(argv)}\n")
