@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
         rootfs_overlay: Annotated[Optional[str], typer.Option("--rootfs-overlay", help="Run on an overlay of this directory (read-only lower, e.g. /) with a private writable layer, instead of --rootfs.")] = None,
         network: Annotated[str, typer.Option("--network", help="none (loopback only) or bridge.")] = "none",
         env: Annotated[Optional[list[str]], typer.Option("--env", "-E", help="KEY=VALUE, repeatable.")] = None,
-        publish: Annotated[Optional[list[str]], typer.Option("--publish", "-p", help=r"HOST:CONTAINER\[/tcp|udp] with --network bridge, repeatable.")] = None,
+        publish: Annotated[Optional[list[str]], typer.Option("--publish", "-p", help="HOST:CONTAINER[/tcp|udp] with --network bridge, repeatable.")] = None,
         ip: Annotated[Optional[str], typer.Option("--ip", help="Address on the bridge, with --network bridge; default: the next free one.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the container as JSON.")] = False,
     ) -> None:
