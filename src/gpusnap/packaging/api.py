@@ -365,7 +365,8 @@ def remote_config(remote: str, *, insecure: bool = False, decryption: Decryption
 
 def inspect_remote(remote: str, *, insecure: bool = False, decryption: DecryptionKeys | None = None) -> ArtifactInfo:
     """What the artifact ``remote`` in a registry holds, from its manifest and config alone
-    (nothing is stored, no layer is downloaded)."""
+    (nothing is stored, no layer is downloaded). Layers are listed as the manifest has them: the
+    per-file rows :func:`inspect` shows for a v2 artifact come from its layout table, a blob."""
     from gpusnap.packaging.registry import RemoteRef
 
     digest, manifest, config = remote_config(remote, insecure=insecure, decryption=decryption, sealed_ok=True)
