@@ -3,12 +3,15 @@
 
     sudo .venv/bin/python bench/shim_latency.py [--runs 200]
 
-Calls: `state` of a running container and `--version` (both passthrough by exec), and a full
-`create` + `start` + `delete` cycle (create goes through the spec modifier chain). Runs of runc
-and of the shim alternate so that machine load affects both alike; the table shows the median of
-each, the difference and the ratio, in wall-clock time and in CPU time (user + system of the
-processes waited for: on a loaded machine wall time also counts the wait for a core, CPU time
-does not). Target: at most 15 ms added median per call (45 ms for the three-call cycle).
+Calls: `state` of a running container (passthrough), `--version`
+(handed to Python: it prints gpusnap's version first), and a full `create` + `start` + `delete`
+cycle (create goes through the spec modifier chain in Python; start and delete are passthrough).
+Runtimes: runc; gpusnap-runtime, the sh front engines call; and gpusnap-runtime-py, the Python
+shim called directly (what every call cost before the front). Runs of each alternate so that
+machine load affects all alike; the table shows the median of each and what it adds to runc, in
+wall-clock time and in CPU time (user + system of the processes waited for: on a loaded machine
+wall time also counts the wait for a core, CPU time does not). Targets: passthrough (`state`)
+adds at most 3 ms; create+start+delete at most 15 ms a call (45 ms the cycle).
 
 gpusnap's modules are byte-compiled first, as `pip install` does (`--no-compile` skips it): in
 an editable install run with PYTHONDONTWRITEBYTECODE=1 every call would otherwise compile its
@@ -74,7 +77,8 @@ def _call(argv: list[str], env: dict[str, str]) -> Callable[[], float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=200, help="runs per call and runtime (default 200)")
-    ap.add_argument("--shim", default=str(Path(sys.executable).parent / "gpusnap-runtime"))
+    ap.add_argument("--shim", default=str(Path(sys.executable).parent / "gpusnap-runtime"), help="the sh front")
+    ap.add_argument("--shim-py", default=str(Path(sys.executable).parent / "gpusnap-runtime-py"), help="the Python shim")
     ap.add_argument("--runc", default=shutil.which("runc") or "/usr/sbin/runc")
     ap.add_argument("--no-compile", action="store_true", help="do not byte-compile gpusnap first")
     ap.add_argument(
@@ -117,27 +121,34 @@ def main() -> int:
             "create+start+delete": cycle,
         }
         rows = []
+        runtimes = {"runc": opts.runc, "gpusnap-runtime": opts.shim, "gpusnap-runtime-py": opts.shim_py}
         try:
             for name, make in calls.items():
-                fns = {"runc": make(opts.runc), "shim": make(opts.shim)}
+                fns = {label: make(binary) for label, binary in runtimes.items()}
                 for fn in fns.values():  # warm the page cache and .pyc files
                     fn()
-                samples: dict[str, list[tuple[float, float]]] = {"runc": [], "shim": []}
+                samples: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
                 for _ in range(opts.runs):
                     for label, fn in fns.items():
                         samples[label].append(_time(fn))
-                runc_ms, shim_ms = (statistics.median(w for w, _ in samples[k]) for k in ("runc", "shim"))
-                runc_cpu, shim_cpu = (statistics.median(c for _, c in samples[k]) for k in ("runc", "shim"))
-                rows.append((name, runc_ms, shim_ms, shim_ms - runc_ms, shim_ms / runc_ms, runc_cpu, shim_cpu, shim_cpu - runc_cpu))
+                wall = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
+                cpu = {k: statistics.median(c for _, c in v) for k, v in samples.items()}
+                per_call = 3 if name == "create+start+delete" else 1
+                for label in runtimes:
+                    rows.append((name, label, wall[label], wall[label] - wall["runc"], (wall[label] - wall["runc"]) / per_call,
+                                 wall[label] / wall["runc"], cpu[label], cpu[label] - cpu["runc"]))
         finally:
             subprocess.run([opts.runc, "--root", str(root), "delete", "--force", "gs-shim-bench-state"], check=False)
     print(f"gpusnap-runtime added latency, median of {opts.runs} runs each (runc: {opts.runc})")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     print(f"bundles, runc root and run dir under {opts.tmpdir or tempfile.gettempdir()}")
-    print("| call | runc (ms) | gpusnap-runtime (ms) | added (ms) | ratio | runc CPU (ms) | gpusnap-runtime CPU (ms) | added CPU (ms) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, r, s, added, ratio, rc, sc, added_cpu in rows:
-        print(f"| {name} | {r:.1f} | {s:.1f} | {added:+.1f} | {ratio:.2f}x | {rc:.1f} | {sc:.1f} | {added_cpu:+.1f} |")
+    print("| call | runtime | wall (ms) | added (ms) | added per call (ms) | ratio | CPU (ms) | added CPU (ms) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name, label, w, added, added_per_call, ratio, c, added_cpu in rows:
+        if label == "runc":
+            print(f"| {name} | {label} | {w:.1f} | | | | {c:.1f} | |")
+        else:
+            print(f"| {name} | {label} | {w:.1f} | {added:+.1f} | {added_per_call:+.1f} | {ratio:.2f}x | {c:.1f} | {added_cpu:+.1f} |")
     return 0
 
 

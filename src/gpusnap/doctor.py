@@ -108,25 +108,51 @@ def check_runc(settings: Settings) -> list[Check]:
 
     shim = find_shim()
     if shim:
-        out.append(Check("gpusnap-runtime", OK, f"{shim}"))
+        out.append(_front_check(Path(shim)))
     else:
         out.append(Check("gpusnap-runtime", WARN, "not installed: runc-direct uses plain runc (CPU state only)", "pip install gpusnap on this host"))
     return out
+
+
+def _front_check(shim: Path) -> Check:
+    """gpusnap-runtime is a sh front that execs gpusnap-runtime-py, which must sit beside it
+    (or beside the file a link to it points at) for create, checkpoint and restore to work."""
+    try:
+        is_front = shim.read_bytes()[:9] == b"#!/bin/sh"
+    except OSError:
+        is_front = False
+    if not is_front:
+        return Check("gpusnap-runtime", OK, f"{shim}")
+    for d in (shim.parent, shim.resolve().parent):
+        py = d / "gpusnap-runtime-py"
+        if py.is_file() and os.access(py, os.X_OK):
+            return Check("gpusnap-runtime", OK, f"{shim} (passthrough in sh, the rest in {py})")
+    return Check("gpusnap-runtime", FAIL, f"{shim} has no gpusnap-runtime-py beside it: create, checkpoint and restore would fail",
+                 "reinstall gpusnap (pip install --force-reinstall gpusnap) so both scripts land in the same bin directory")
 
 
 def check_engines(settings: Settings) -> list[Check]:
     from gpusnap.engines.docker import DockerEngine
     from gpusnap.engines.podman import PodmanEngine
     from gpusnap.engines.runc_direct import RuncDirectEngine, busybox_binary
+    from gpusnap.errors import MissingDependencyError
 
     out = []
     rd = RuncDirectEngine(settings)
     try:
         rd.require()
-        busybox_binary()
-        out.append(Check("engine runc-direct", OK, f"state in {rd.home}, runtime {rd.runtime_name()}"))
+        detail = f"state in {rd.home}, runtime {rd.runtime_name()}"
+        try:
+            busybox_binary()
+            out.append(Check("engine runc-direct", OK, detail))
+        except MissingDependencyError:
+            # Only the default root filesystem needs busybox: the rest of the engine works.
+            out.append(Check("engine runc-direct", WARN, f"{detail}; busybox not found on PATH, so `gpusnap run` needs a root "
+                             "filesystem: `gpusnap run --rootfs-overlay / NAME -- CMD` (or --rootfs DIR) works; "
+                             "checkpoint, restore and the other engines are unaffected",
+                             "install busybox-static for the default busybox root filesystem"))
     except Exception as exc:  # noqa: BLE001 - each check reports, none stops the others
-        out.append(Check("engine runc-direct", FAIL, str(exc), "install runc and busybox-static"))
+        out.append(Check("engine runc-direct", FAIL, str(exc), "install runc"))
     podman = PodmanEngine()
     if shutil.which("podman") is None:
         out.append(Check("engine podman", OK, "not installed (optional)"))

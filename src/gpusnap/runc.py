@@ -53,10 +53,14 @@ def which(name: str, env_path: str, skip: Sequence[str] = ()) -> str | None:
     return None
 
 
-def find_runc(configured: str | None, env: Mapping[str, str], argv0: str) -> str:
-    """The real runc: the configured path, else the first ``runc`` on PATH that is not this shim."""
+def find_runc(configured: str | None, env: Mapping[str, str], argv0: str, also: Sequence[str] = ()) -> str:
+    """The real runc: the configured path, else the first ``runc`` on PATH that is not this shim.
+
+    ``also``: other names this shim goes by (the sh front, bin/gpusnap-runtime, that started it);
+    bin/gpusnap-runtime makes the same decision for passthrough calls and must stay in step.
+    """
     env_path = env.get("PATH", os.defpath)
-    skip = self_paths(argv0, env_path)
+    skip = [p for name in (argv0, *also) for p in self_paths(name, env_path)]
     if configured:
         path = configured if os.sep in configured else which(configured, env_path, skip)
         if path and os.path.isfile(path) and os.access(path, os.X_OK):

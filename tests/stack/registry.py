@@ -49,6 +49,7 @@ class Registry:
     user: str | None = None
     password: str | None = None
     auth_yaml: str = ""  # a whole ``auth:`` section (token auth tests)
+    log_level: str = "warn"  # "info" logs every request (tests that check what was fetched)
     proc: subprocess.Popen | None = None  # type: ignore[type-arg]
     log: Path = field(init=False)
 
@@ -73,7 +74,7 @@ class Registry:
         cfg = self.root / "config.yml"
         cfg.write_text(
             "version: 0.1\n"
-            "log:\n  level: warn\n"
+            f"log:\n  level: {self.log_level}\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.root / 'data'}\n  delete:\n    enabled: true\n"
             f"http:\n  addr: 127.0.0.1:{self.port}\n  secret: gpusnap-tests-upload-secret\n"
             + auth

@@ -1,4 +1,4 @@
-"""``gpusnap push|pull|ls|rm|gc|inspect``: checkpoints as OCI artifacts, from the command line.
+"""``gpusnap push|pull|import|ls|rm|gc|inspect|verify``: checkpoints as OCI artifacts, from the command line.
 
 Thin: every command calls :mod:`gpusnap.packaging.api` and renders the result, as a rich table
 (readable at 80 columns) or, with ``--json``, the same data as JSON on stdout.
@@ -21,12 +21,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from gpusnap.config import load_settings
-from gpusnap.errors import GpusnapError, UsageError
+from gpusnap.config import DEFAULT_CONFIG_FILE, Settings, load_settings
+from gpusnap.errors import ExitCode, GpusnapError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-StoreOpt = typer.Option(None, "--store", help="local OCI store directory (default: Settings.store_dir, GPUSNAP_STORE)")
+StoreOpt = typer.Option(
+    None, "--store", help=f"local OCI store directory (default: $GPUSNAP_STORE, else store_dir in {DEFAULT_CONFIG_FILE}, else {Settings.store_dir})"
+)
 JsonOpt = typer.Option(False, "--json", help="print JSON instead of a table")
 InsecureOpt = typer.Option(False, "--insecure", help="plain HTTP to the registry (a local test registry)")
 
@@ -70,7 +72,7 @@ def _print_json(data: Any) -> None:
 
 
 def _push(
-    ref: str = typer.Argument(..., help="local checkpoint reference (see `gpusnap ls`)"),
+    ref: str = typer.Argument(..., help="local checkpoint reference (see `gpusnap ls`), or a checkpoint on disk (as `gpusnap import` takes), stored first under REMOTE"),
     remote: str = typer.Argument(..., help="HOST[:PORT]/REPOSITORY[:TAG]"),
     insecure: bool = InsecureOpt,
     subject: str | None = typer.Option(None, "--subject", help="image in the same repository to attach the checkpoint to (referrers)"),
@@ -85,6 +87,11 @@ def _push(
     from gpusnap.packaging import api
     from gpusnap.packaging.crypto import encryption_from_options
 
+    if Path(ref).exists():
+        shown = ref
+        ref = import_path(Path(ref), remote, _store(store)).ref
+        if not as_json:
+            _console().print(f"imported {shown} as {ref}", soft_wrap=True)
     if podman_image:
         from gpusnap.engines.flows import PODMAN_IMAGE_ENCRYPTED, push_podman_image
 
@@ -100,6 +107,42 @@ def _push(
     _console().print(f"pushed {ref} → {r.remote}" + (" as a podman checkpoint image" if podman_image else "")
                      + f"\n  digest {r.digest}\n  uploaded {human_size(r.uploaded_bytes)}, "
                      f"already there {human_size(r.skipped_bytes)} ({r.mounted_blobs} mounted), {r.blobs} blobs, {r.seconds:.1f} s")
+
+
+def _guess_form(path: Path) -> str:
+    """The form of a checkpoint on disk: a docker checkpoint directory (gpusnap's record in it),
+    any other directory as CRIU images, a file as a podman export archive (its reader checks)."""
+    from gpusnap.engines.docker import CONTAINER_RECORD
+
+    if path.is_dir():
+        return "docker-dir" if (path / CONTAINER_RECORD).is_file() else "criu-dir"
+    if path.is_file():
+        return "podman-archive"
+    raise UsageError(f"{path} does not exist; give a podman export archive or a checkpoint directory")
+
+
+def import_path(path: Path, ref: str, store: Path, *, form: str | None = None, compress: bool = False) -> Any:
+    """Store the checkpoint at ``path`` under ``ref`` (what `import` and `push PATH` share)."""
+    from gpusnap.packaging import api
+
+    return api.store_checkpoint(store, path, form=form or _guess_form(path), ref=ref, compress=compress)
+
+
+def _import(
+    path: Path = typer.Argument(..., help="podman export archive (.tar, .tar.gz, .tar.zst), CRIU image directory, or docker checkpoint directory"),
+    ref: str = typer.Argument(..., help="reference to store it under, e.g. HOST[:PORT]/REPOSITORY:TAG to push it there later"),
+    form: str | None = typer.Option(None, "--form", help="criu-dir, podman-archive or docker-dir (default: guessed from PATH)"),
+    compress: bool = typer.Option(False, "--compress", help="compress the stored layers (zstd)"),
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Put a checkpoint made outside gpusnap (`podman container checkpoint --export`, `runc
+    checkpoint`) into the local store, ready for `gpusnap push`, `inspect` and `restore`."""
+    r = import_path(path, ref, _store(store), form=form, compress=compress)
+    if as_json:
+        _print_json(asdict(r))
+        return
+    _console().print(f"imported {path} as {r.ref}\n  digest {r.digest}\n  {human_size(r.size)}, {r.layers} layers", soft_wrap=True)
 
 
 def _pull(
@@ -122,21 +165,60 @@ def _pull(
     _console().print(f"pulled {remote} as {ref}")
 
 
-def _when(created: str) -> str:
-    """RFC 3339 → ``YYYY-MM-DD HH:MM`` (UTC) to keep the table inside 80 columns."""
-    return created.replace("T", " ")[:16] if len(created) >= 16 else created
+def ls_table(rows: list[dict[str, Any]], width: int = 80, now: float | None = None) -> Any:
+    """The ``gpusnap ls`` listing laid out to ``width`` columns.
 
+    References stay whole (never wrapped or cut: they are copied from here), and so do the age
+    ("3h ago") and the size; the digest shrinks (12 hex digits down to 7) and the container name
+    folds to make room. When even that leaves no room beside the longest reference, each
+    reference gets a line of its own with its details indented under it. Widths are set here
+    because rich, given a no-wrap column that needs most of the line, squeezes the other no-wrap
+    columns to an ellipsis instead.
+    """
+    from rich.console import Group
+    from rich.text import Text
 
-def ls_table(rows: list[dict[str, Any]]) -> Table:
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    t.add_column("REFERENCE", overflow="fold", ratio=3)
-    t.add_column("DIGEST", no_wrap=True)
-    t.add_column("CONTAINER", overflow="fold", ratio=1)
-    t.add_column("CREATED", no_wrap=True)
-    t.add_column("SIZE", justify="right", no_wrap=True)
-    for r in rows:
-        t.add_row(r["ref"], short(r["digest"]), r.get("container", ""), _when(r.get("created", "")), human_size(r.get("size", 0)))
-    return t
+    from gpusnap.cli.output import age
+
+    cells = [(r["ref"], short(r["digest"]), r.get("container", ""), age(r.get("created", ""), now), human_size(r.get("size", 0))) for r in rows]
+    heads = ("REFERENCE", "DIGEST", "CONTAINER", "CREATED", "SIZE")
+    longest = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(heads)]
+    gaps = 3 * (len(heads) - 1)  # padding each side and the box's divider between columns, none at the edges
+    room = width - gaps - longest[0] - longest[3] - longest[4]
+    if room >= 7 + len(heads[2]):  # everything on one line per checkpoint
+        digest_w = max(7, min(longest[1], room - min(longest[2], 12)))
+        container_w = min(longest[2], max(len(heads[2]), room - digest_w))
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        t.add_column(heads[0], no_wrap=True, width=longest[0])
+        t.add_column(heads[1], no_wrap=True, overflow="crop", width=digest_w)
+        t.add_column(heads[2], overflow="fold", width=container_w)
+        t.add_column(heads[3], no_wrap=True, width=longest[3])
+        t.add_column(heads[4], justify="right", no_wrap=True, width=longest[4])
+        for c in cells:
+            t.add_row(*c)
+        return t
+    # Stacked: the reference alone on its line, the rest indented below it.
+    indent = 2
+    room = width - indent - 2 * 3 - longest[3] - longest[4]
+    digest_w = max(7, min(longest[1], room - min(longest[2], 12)))
+    container_w = min(longest[2], max(len(heads[2]), room - digest_w))
+
+    def details(row: tuple[str, ...] | None) -> Table:
+        t = Table(box=None, pad_edge=False, show_header=row is None, padding=(0, 1), header_style="bold")
+        t.add_column(heads[1], no_wrap=True, overflow="crop", width=digest_w)
+        t.add_column(heads[2], overflow="fold", width=container_w)
+        t.add_column(heads[3], no_wrap=True, width=longest[3])
+        t.add_column(heads[4], justify="right", no_wrap=True, width=longest[4])
+        if row is not None:
+            t.add_row(*row)
+        return t
+
+    from rich.padding import Padding
+
+    parts: list[Any] = [Text(heads[0], style="bold"), Padding(details(None), (0, 0, 0, indent))]
+    for c in cells:
+        parts += [Text(c[0], no_wrap=True, overflow="ignore"), Padding(details(c[1:]), (0, 0, 0, indent))]
+    return Group(*parts)
 
 
 def _ls(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
@@ -147,7 +229,8 @@ def _ls(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     if as_json:
         _print_json(rows)
         return
-    _console().print(ls_table(rows))
+    console = _console()
+    console.print(ls_table(rows, console.width))
 
 
 def _rm(
@@ -155,15 +238,28 @@ def _rm(
     store: Path | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Remove checkpoint references from the local store."""
+    """Remove checkpoint references from the local store.
+
+    Removes every REF that exists and reports each that does not, then exits with the first
+    failure's code (3 for a missing reference), as `gpusnap delete` does for containers.
+    """
     from gpusnap.packaging import api
 
-    removed = [{"ref": r, "digest": api.remove(_store(store), r)} for r in refs]
+    removed: list[dict[str, str]] = []
+    failures: list[GpusnapError] = []
+    for ref in dict.fromkeys(refs):
+        try:
+            removed.append({"ref": ref, "digest": api.remove(_store(store), ref)})
+        except GpusnapError as exc:
+            print(f"gpusnap: {exc}", file=sys.stderr)
+            failures.append(exc)
+            continue
+        if not as_json:
+            _console().print(f"removed {ref} ({short(removed[-1]['digest'])})")
     if as_json:
         _print_json(removed)
-        return
-    for r in removed:
-        _console().print(f"removed {r['ref']} ({short(r['digest'])})")
+    if failures:
+        raise typer.Exit(int(failures[0].exit_code))
 
 
 def _gc(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
@@ -249,20 +345,48 @@ def inspect_renderables(info: Any) -> list[Any]:
     return out
 
 
+def _looks_remote(target: str) -> bool:
+    """HOST[:PORT]/REPOSITORY...: the first component names a registry host."""
+    first, _, rest = target.partition("/")
+    return bool(rest) and ("." in first or ":" in first or first == "localhost")
+
+
 def _inspect(
-    target: str = typer.Argument(..., help="a stored reference, or a checkpoint directory / podman archive on disk"),
+    target: str = typer.Argument(..., help="a stored reference, a reference in a registry (HOST[:PORT]/REPOSITORY:TAG), or a checkpoint directory / podman archive on disk"),
     form: str | None = typer.Option(None, "--form", help="form of a PATH: criu-dir, podman-archive, docker-dir (guessed)"),
+    remote: bool = typer.Option(False, "--remote", help="read the registry even when the local store has this reference (implied by --insecure)"),
+    insecure: bool = InsecureOpt,
     store: Path | None = StoreOpt,
     as_json: bool = JsonOpt,
     decrypt_key: list[Path] | None = typer.Option(None, "--decrypt-key", metavar="KEYFILE", help="show the full config of an encrypted checkpoint"),
 ) -> None:
-    """Show a checkpoint: container, image, sizes per layer, process tree, GPUs, timings."""
+    """Show a checkpoint: container, image, sizes per layer, process tree, GPUs, timings.
+
+    A registry reference that is not in the local store is read from the registry: its manifest
+    and config only, no layer is downloaded and nothing is stored.
+    """
     from gpusnap.packaging import api
     from gpusnap.packaging.crypto import load_decryption_keys
 
     path = Path(target)
     keys = {"decryption": load_decryption_keys(decrypt_key)} if decrypt_key else {}
-    info = api.inspect_path(path, form=form) if path.exists() else api.inspect(_store(store), target, **keys)
+    if (remote or insecure) and not _looks_remote(target):
+        raise UsageError(f"{target} is not a registry reference; use HOST[:PORT]/REPOSITORY[:TAG|@DIGEST] with --remote/--insecure")
+    if remote or insecure:
+        info = api.inspect_remote(target, insecure=insecure, **keys)
+    elif path.exists():
+        info = api.inspect_path(path, form=form)
+    else:
+        try:
+            info = api.inspect(_store(store), target, **keys)
+        except GpusnapError as exc:
+            if exc.exit_code != ExitCode.NOT_FOUND or not _looks_remote(target):
+                raise
+            try:
+                info = api.inspect_remote(target, **keys)
+            except GpusnapError as remote_exc:
+                raise GpusnapError(f"{target} is not in the local store ({_store(store)}), and the registry: {remote_exc}",
+                                   exit_code=remote_exc.exit_code) from None
     if as_json:
         _print_json(info.to_dict())
         return
@@ -290,6 +414,7 @@ def register(app: typer.Typer) -> None:
     """Add push, pull, ls, rm, gc and inspect to the ``gpusnap`` app."""
     app.command("push")(_fail_cleanly(_push))
     app.command("pull")(_fail_cleanly(_pull))
+    app.command("import")(_fail_cleanly(_import))
     app.command("ls")(_fail_cleanly(_ls))
     app.command("rm")(_fail_cleanly(_rm))
     app.command("gc")(_fail_cleanly(_gc))

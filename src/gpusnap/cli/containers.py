@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Optional
 
 import typer
 from rich.table import Column
 
+from gpusnap.cli.context import get_ctx, require_root
 from gpusnap.cli.output import age
 from gpusnap.engines.runc_direct import BUSYBOX_ROOTFS, RuncDirectEngine
-from gpusnap.errors import NotFoundError
+from gpusnap.errors import GpusnapError, NotFoundError
 
 
 def register(app: typer.Typer) -> None:
@@ -27,8 +29,6 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the container as JSON.")] = False,
     ) -> None:
         """Run a container on gpusnap's embedded engine (runc-direct), detached."""
-        from gpusnap.cli.main import get_ctx, require_root
-
         require_root("gpusnap run")
         c = get_ctx(ctx)
         argv = list(command)[1:] if command and command[0] == "--" else list(command)
@@ -44,8 +44,6 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
     ) -> None:
         """List runc-direct containers."""
-        from gpusnap.cli.main import get_ctx
-
         c = get_ctx(ctx)
         items = RuncDirectEngine(c.settings).list()
         if as_json:
@@ -69,8 +67,6 @@ def register(app: typer.Typer) -> None:
         tail: Annotated[int, typer.Option("--tail", help="Only the last N lines (0: all).")] = 0,
     ) -> None:
         """Print a runc-direct container's output."""
-        from gpusnap.cli.main import get_ctx
-
         c = get_ctx(ctx)
         eng = RuncDirectEngine(c.settings)
         info = eng.get(name)
@@ -86,17 +82,24 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         names: Annotated[list[str], typer.Argument(help="runc-direct container name(s).")],
     ) -> None:
-        """Stop and delete runc-direct containers (their checkpoints stay in the store)."""
-        from gpusnap.cli.main import get_ctx
+        """Stop and delete runc-direct containers (their checkpoints stay in the store).
 
+        Like docker and podman: deletes every NAME that exists, reports each that does not or
+        could not be deleted, and then exits with the first failure's code (3 for a missing name).
+        """
         c = get_ctx(ctx)
         eng = RuncDirectEngine(c.settings)
-        infos = []
-        for n in names:
-            info = eng.get(n)
-            if info is None:
-                raise NotFoundError(f"no runc-direct container {n}; `gpusnap ps` lists them")
-            infos.append(info)
-        for info in infos:
-            eng.remove(info)
+        failures: list[GpusnapError] = []
+        for n in dict.fromkeys(names):  # a name given twice is deleted once
+            try:
+                info = eng.get(n)
+                if info is None:
+                    raise NotFoundError(f"no runc-direct container {n}; `gpusnap ps` lists them")
+                eng.remove(info)
+            except GpusnapError as exc:
+                print(f"gpusnap: error: {exc}", file=sys.stderr)
+                failures.append(exc)
+                continue
             c.out.info(f"deleted {info.name}")
+        if failures:
+            raise typer.Exit(int(failures[0].exit_code))

@@ -56,7 +56,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     ) -> None:
         """Turn a kubelet checkpoint archive into a checkpoint image that containerd 2.x and CRI-O restore."""
-        from gpusnap.cli.main import get_ctx
+        from gpusnap.cli.context import get_ctx
         from gpusnap.cri.image import archive_to_image
 
         c = get_ctx(ctx)

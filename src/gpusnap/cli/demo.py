@@ -35,6 +35,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from gpusnap.cli.context import get_ctx, require_root
 from gpusnap.cli.output import human_size
 from gpusnap.config import Settings
 from gpusnap.engines import flows
@@ -370,8 +371,6 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     ) -> None:
         """Checkpoint a running container (a CUDA workload on a GPU host), delete it, restore it, and show it going on."""
-        from gpusnap.cli.main import get_ctx, require_root
-
         require_root("gpusnap demo")
         c = get_ctx(ctx)
         say = (lambda _t: None) if as_json else c.out.info

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from gpusnap.cli.context import get_ctx
 from gpusnap.doctor import FAIL, run_checks
 from gpusnap.errors import ExitCode
 
@@ -17,8 +18,6 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the checks as JSON.")] = False,
     ) -> None:
         """Check CRIU, the kernel, runc, the engines, the GPU driver and the store; say how to fix what fails."""
-        from gpusnap.cli.main import get_ctx
-
         c = get_ctx(ctx)
         checks = run_checks(c.settings)
         failed = [ch for ch in checks if ch.status == FAIL]
@@ -31,6 +30,10 @@ def register(app: typer.Typer) -> None:
                 if ch.fix and ch.status != "ok":
                     line += f" -> fix: {ch.fix}"
                 c.out.stdout.print(line, soft_wrap=True)
-            c.out.info("all checks passed" if not failed else f"{len(failed)} check(s) failed")
+            warned = sum(ch.status == "warn" for ch in checks)
+            if failed:
+                c.out.info(f"{len(failed)} check(s) failed")
+            else:
+                c.out.info("all checks passed" + (f" ({warned} warning{'s' if warned > 1 else ''})" if warned else ""))
         if failed:
             raise typer.Exit(int(ExitCode.MISSING_DEPENDENCY))

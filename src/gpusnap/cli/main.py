@@ -8,26 +8,18 @@ from __future__ import annotations
 
 import sys
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from gpusnap import __version__
+from gpusnap.cli.context import Ctx, get_ctx, require_root
 from gpusnap.cli.output import Out
-from gpusnap.config import Settings, load_settings
-from gpusnap.errors import ExitCode, GpusnapError, UsageError
+from gpusnap.config import load_settings
+from gpusnap.errors import ExitCode, GpusnapError
 
 EPILOG = "Exit codes: " + ", ".join(f"{c.value} {c.name.lower().replace('_', ' ')}" for c in ExitCode) + "."
-
-
-@dataclass(frozen=True)
-class Ctx:
-    """What every command gets from the global options (kept in click's context object)."""
-
-    settings: Settings
-    out: Out
 
 
 def _print_version(value: bool) -> None:
@@ -77,6 +69,32 @@ def _register_optional(app: typer.Typer) -> None:
         module.register(app)
 
 
+def build_command() -> typer.core.TyperGroup:
+    """The command behind `gpusnap`, with every help text taken literally.
+
+    Typer renders help through rich markup, so a help text such as ``HOST:CONTAINER[/tcp|udp]``
+    or ``POD[/CONTAINER]`` reads as a closing tag (a crash) and a word in brackets may vanish.
+    Escaping each text once here covers every command, present and future.
+    """
+    from rich.markup import escape
+
+    command = typer.main.get_command(build_app())
+
+    def literal(cmd: object) -> None:
+        for attr in ("help", "short_help", "epilog"):
+            text = getattr(cmd, attr, None)
+            if isinstance(text, str):
+                setattr(cmd, attr, escape(text))
+        for param in getattr(cmd, "params", []):
+            if isinstance(getattr(param, "help", None), str):
+                param.help = escape(param.help)
+        for sub in getattr(cmd, "commands", {}).values():
+            literal(sub)
+
+    literal(command)
+    return command  # type: ignore[return-value]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     # -v is parsed by typer too; it is read here because the error handler runs after typer's
@@ -85,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Standalone mode: typer/click print usage errors themselves (exit 2) and turn --help,
         # completion and typer.Exit into SystemExit, which passes through here.
-        build_app()(args=args, prog_name="gpusnap")
+        build_command().main(args=args, prog_name="gpusnap")
     except GpusnapError as exc:
         if verbose:
             traceback.print_exc()
@@ -102,19 +120,4 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(int(ExitCode.FAILURE))
 
 
-def require_root(what: str) -> None:
-    """CRIU and runc need root; say so up front instead of failing halfway through."""
-    import os
-
-    if os.geteuid() != 0:
-        raise UsageError(f"{what} needs root (CRIU and runc do); run it with sudo")
-
-
-def get_ctx(ctx: typer.Context) -> Ctx:
-    obj = ctx.find_root().obj
-    if not isinstance(obj, Ctx):  # called without the callback (tests calling commands directly)
-        obj = Ctx(settings=load_settings(), out=Out.make())
-    return obj
-
-
-__all__ = ["main", "build_app", "get_ctx", "require_root", "Ctx"]
+__all__ = ["main", "build_app", "build_command", "get_ctx", "require_root", "Ctx"]

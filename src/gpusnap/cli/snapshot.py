@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from gpusnap.cli.context import get_ctx, require_root
 from gpusnap.cli.output import human_size
 from gpusnap.engines import flows
 from gpusnap.engines.base import CheckpointOptions
@@ -40,7 +41,6 @@ def register(app: typer.Typer) -> None:
 
         With --engine cri, CONTAINER is POD[/CONTAINER] and the checkpoint is the kubelet's:
         a checkpoint archive (the container keeps running), pushed as a checkpoint image with --push."""
-        from gpusnap.cli.main import get_ctx, require_root
         from gpusnap.packaging.crypto import encryption_from_options
 
         require_root("gpusnap checkpoint")
@@ -86,8 +86,6 @@ def register(app: typer.Typer) -> None:
 
         With --engine cri, SOURCE is a checkpoint image or a kubelet checkpoint archive, and --name
         names the new pod: checked against this node first, then restored as a new pod."""
-        from gpusnap.cli.main import get_ctx, require_root
-
         require_root("gpusnap restore")
         c = get_ctx(ctx)
         if engine == "cri":

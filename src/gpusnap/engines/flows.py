@@ -457,48 +457,10 @@ def _in_store(api: Any, settings: Settings, ref: str) -> bool:
 
 
 def _remote_metadata(remote: str, insecure: bool, decryption: Any = None) -> CheckpointMetadata:
-    """The checkpoint metadata in a remote artifact's config blob, without pulling its layers.
-
-    An encrypted artifact's config is sealed: the keys are checked against the manifest first
-    (a wrong or missing key fails here, before anything is downloaded), then it is decrypted in memory.
-    """
-    import hashlib
-
-    from gpusnap.packaging.registry import RegistryClient, RemoteRef
-
-    source = RemoteRef.parse(remote)
-    client = RegistryClient(source.registry, insecure=insecure)
-    data, _media, _digest = client.get_manifest(source.repository, source.reference)
-    try:
-        manifest = json.loads(data)
-        config_desc = manifest["config"]
-    except (ValueError, KeyError, TypeError):
-        raise GpusnapError(f"{remote} is not a gpusnap checkpoint (its manifest has no config); check the reference") from None
-    if int(config_desc.get("size", 0)) > 16 << 20:
-        raise GpusnapError(f"{remote}: the artifact's config is {config_desc['size']} bytes, too large for checkpoint metadata")
-    resp = client.request("GET", f"/v2/{source.repository}/blobs/{config_desc['digest']}", scope=f"repository:{source.repository}:pull")
-    blob = resp.content
-    if "sha256:" + hashlib.sha256(blob).hexdigest() != config_desc["digest"]:
-        from gpusnap.errors import IntegrityError
-
-        raise IntegrityError(f"the config blob of {remote} does not match its digest {config_desc['digest']}; the registry served other bytes")
-    if decryption and not str(config_desc.get("mediaType", "")).endswith("+encrypted"):
+    """The checkpoint metadata in a remote artifact's config blob, without pulling its layers."""
+    _digest, manifest, config = packaging_api().remote_config(remote, insecure=insecure, decryption=decryption)
+    if decryption and not str(manifest["config"].get("mediaType", "")).endswith("+encrypted"):
         _refuse_plain(remote)
-    if str(config_desc.get("mediaType", "")).endswith("+encrypted"):
-        import io
-
-        from gpusnap.packaging import crypto
-        from gpusnap.packaging.encrypted import check_keys_fit
-
-        keys = decryption or crypto.DecryptionKeys()
-        check_keys_fit(manifest, keys)
-        out = io.BytesIO()
-        crypto.decrypt_stream(io.BytesIO(blob), out, annotations=config_desc.get("annotations") or {}, keys=keys)
-        blob = out.getvalue()
-    try:
-        config = json.loads(blob)
-    except ValueError:
-        raise GpusnapError(f"{remote} is not a gpusnap checkpoint (its config is not JSON); check the reference") from None
     return _config_metadata(config)
 
 

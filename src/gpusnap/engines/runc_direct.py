@@ -57,7 +57,6 @@ OVERLAY_ROOTFS = "overlay"  # an overlay over RuncDirectRecord.overlay_lower (se
 UPPER_ARCHIVE = "rootfs-upper.tar"  # an overlay container's writable layer, in its checkpoint
 NETWORK_MODES = ("none", "bridge")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
 _DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -92,11 +91,11 @@ def validate_name(name: str) -> str:
 
 
 def busybox_binary() -> Path:
-    for cand in _BUSYBOX_CANDIDATES:
-        p = Path(cand)
-        if p.is_file():
-            return p
-    raise MissingDependencyError("busybox not found; install busybox-static (apt-get install busybox-static) or pass --rootfs DIR")
+    """busybox as found on PATH (so a host, or a test, without it on PATH reads as without it)."""
+    found = shutil.which("busybox")
+    if found:
+        return Path(found)
+    raise MissingDependencyError("busybox not found on PATH; install busybox-static (apt-get install busybox-static), or pass --rootfs DIR or --rootfs-overlay /")
 
 
 def build_busybox_rootfs(dest: Path) -> None:

@@ -26,6 +26,8 @@ __all__ = [
     "StoredCheckpoint",
     "inspect",
     "inspect_path",
+    "inspect_remote",
+    "remote_config",
     "list_checkpoints",
     "materialize_checkpoint",
     "pull",
@@ -317,6 +319,72 @@ def inspect(store_dir: Path, ref: str, *, decryption: DecryptionKeys | None = No
 
         layout = layout_of(store, art)
     return _info_from(ref, desc.digest, art.config, art.layers, art.manifest.get("annotations", {}), layout)
+
+
+def remote_config(remote: str, *, insecure: bool = False, decryption: DecryptionKeys | None = None,
+                  sealed_ok: bool = False) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(manifest digest, manifest, config) of an artifact in a registry: two small downloads, no layer.
+
+    An encrypted artifact's config is sealed: the keys are checked against the manifest first
+    (a wrong or missing key fails here, before anything else is downloaded), then it is
+    decrypted in memory; with ``sealed_ok`` and no keys, its manifest annotations stand in.
+    """
+    import hashlib
+
+    from gpusnap.errors import GpusnapError, IntegrityError
+    from gpusnap.packaging.registry import RegistryClient, RemoteRef, check_manifest_shape
+    from gpusnap.packaging.store import MEDIA_DOCKER_LIST, MEDIA_OCI_INDEX
+
+    source = RemoteRef.parse(remote)
+    client = RegistryClient(source.registry, insecure=insecure)
+    data, media, digest = client.get_manifest(source.repository, source.reference)
+    if media in (MEDIA_OCI_INDEX, MEDIA_DOCKER_LIST):
+        raise UsageError(f"{remote} is an index of several images, not a checkpoint; name one manifest by digest")
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError):
+        raise IntegrityError(f"manifest of {remote} is not JSON") from None
+    check_manifest_shape(manifest, remote)
+    config_desc = manifest["config"]
+    if int(config_desc.get("size", 0)) > 16 << 20:
+        raise GpusnapError(f"{remote}: the artifact's config is {config_desc['size']} bytes, too large for checkpoint metadata")
+    from gpusnap.packaging import encrypted
+
+    sealed = str(config_desc.get("mediaType", "")).endswith("+encrypted")
+    if sealed and decryption is None and sealed_ok:
+        return digest, manifest, encrypted.config_from_annotations(manifest)
+    resp = client.request("GET", f"/v2/{source.repository}/blobs/{config_desc['digest']}", scope=f"repository:{source.repository}:pull")
+    blob = resp.content
+    if "sha256:" + hashlib.sha256(blob).hexdigest() != config_desc["digest"]:
+        raise IntegrityError(f"the config blob of {remote} does not match its digest {config_desc['digest']}; the registry served other bytes")
+    if sealed:
+        import io
+
+        from gpusnap.packaging import crypto
+
+        keys = decryption or crypto.DecryptionKeys()
+        encrypted.check_keys_fit(manifest, keys)
+        out = io.BytesIO()
+        crypto.decrypt_stream(io.BytesIO(blob), out, annotations=config_desc.get("annotations") or {}, keys=keys)
+        blob = out.getvalue()
+    try:
+        config = json.loads(blob)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise GpusnapError(f"{remote} is not a gpusnap checkpoint (its config is not a JSON object); check the reference")
+    return digest, manifest, config
+
+
+def inspect_remote(remote: str, *, insecure: bool = False, decryption: DecryptionKeys | None = None) -> ArtifactInfo:
+    """What the artifact ``remote`` in a registry holds, from its manifest and config alone
+    (nothing is stored, no layer is downloaded). Layers are listed as the manifest has them: the
+    per-file rows :func:`inspect` shows for a v2 artifact come from its layout table, a blob."""
+    from gpusnap.packaging.registry import RemoteRef
+
+    digest, manifest, config = remote_config(remote, insecure=insecure, decryption=decryption, sealed_ok=True)
+    layers = [Descriptor.from_dict(x) for x in manifest.get("layers", [])]
+    return _info_from(str(RemoteRef.parse(remote)), digest, config, layers, manifest.get("annotations", {}))
 
 
 def inspect_path(path: Path, *, form: str | None = None) -> ArtifactInfo:

@@ -811,7 +811,7 @@ def _parallel(fn: Callable[[Descriptor], Any], items: list[Descriptor], workers:
     return results
 
 
-def _check_manifest_shape(manifest: Any, remote: str) -> None:
+def check_manifest_shape(manifest: Any, remote: str) -> None:
     """Refuse what is not an image manifest before a byte of its blobs is fetched."""
     if not isinstance(manifest, dict):
         raise IntegrityError(f"manifest of {remote} is not a JSON object; refusing it")
@@ -845,7 +845,7 @@ def pull_artifact(
         manifest = json.loads(data)
     except (ValueError, RecursionError):
         raise IntegrityError(f"manifest of {remote} is not JSON") from None
-    _check_manifest_shape(manifest, remote)
+    check_manifest_shape(manifest, remote)
     blobs: dict[str, Descriptor] = {}
     for d in [manifest.get("config"), *manifest.get("layers", [])]:
         if d:

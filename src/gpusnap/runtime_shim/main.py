@@ -1,4 +1,7 @@
-"""gpusnap-runtime: runc's command line; runc itself for everything it does not intercept.
+"""gpusnap-runtime-py: runc's command line; runc itself for everything it does not intercept.
+
+Engines call bin/gpusnap-runtime, a sh front that execs runc itself for passthrough calls and
+this shim for the rest (see that script); called directly, this shim does both.
 
 The passthrough path (every command but create, run, checkpoint, restore, features and
 --version) imports only cheap standard-library modules and ends in ``os.execv`` of the real
@@ -50,10 +53,13 @@ def _forget_criu_config(inv: Invocation, run_dir: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     env = os.environ
+    # Set by bin/gpusnap-runtime, the sh front that execs this shim: it is "us" too when looking
+    # for the real runc. Dropped here so runc and the container never see it.
+    front = env.pop("GPUSNAP_FRONT", None)
     inv = parse(args)
     try:
         cfg = fast_settings(env)
-        runc = find_runc(cfg["runc"], env, sys.argv[0])
+        runc = find_runc(cfg["runc"], env, sys.argv[0], (front,) if front else ())
         if inv.command is None and inv.global_opts.get("version") and not inv.global_opts.get("help"):
             from gpusnap import __version__
 

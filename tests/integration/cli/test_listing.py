@@ -51,6 +51,24 @@ def read_table(text: str, columns: list[str], new_row_column: str) -> list[dict[
     return rows
 
 
+def read_ls(text: str) -> list[dict[str, str]]:
+    """The rows of `gpusnap ls`, in either of its layouts: one line per checkpoint, or (when the
+    references leave no room beside them) each reference on its own line, details indented below."""
+    columns = ["REFERENCE", "DIGEST", "CONTAINER", "CREATED"]
+    lines = [ln for ln in text.splitlines() if ln.strip() and not set(ln.strip()) <= {"─"}]
+    if lines[0].split() != ["REFERENCE"]:
+        return read_table(text, columns, new_row_column="DIGEST")
+    rows: list[dict[str, str]] = []
+    for line in lines[2:]:
+        if not line.startswith(" "):
+            rows.append(dict.fromkeys(columns, "") | {"REFERENCE": line.strip()})
+            continue
+        cells = read_table(lines[1] + "\n" + line, columns[1:], new_row_column="DIGEST")[0]
+        for c in columns[1:]:
+            rows[-1][c] += cells[c]
+    return rows
+
+
 def test_ls_and_inspect_fit_80_columns_and_match_json(gs: Gs) -> None:
     names = [unique("rd-ls"), unique("rd-ls-second")]
     try:
@@ -61,7 +79,7 @@ def test_ls_and_inspect_fit_80_columns_and_match_json(gs: Gs) -> None:
         assert max(len(line) for line in table.splitlines()) <= 80, table
         rows = gs.json("ls")
         assert sorted(r["container"] for r in rows) == sorted(names)  # type: ignore[index,union-attr]
-        cells = read_table(table, ["REFERENCE", "DIGEST", "CONTAINER", "CREATED"], new_row_column="DIGEST")
+        cells = read_ls(table)
         assert sorted((c["REFERENCE"], c["DIGEST"], c["CONTAINER"]) for c in cells) == sorted(
             (r["ref"], r["digest"].split(":")[1][:12], r["container"]) for r in rows  # type: ignore[index,union-attr]
         )

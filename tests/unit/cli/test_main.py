@@ -102,4 +102,4 @@ def test_commands_that_need_root_say_so(capsys: pytest.CaptureFixture[str], monk
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     code, _, err = run(capsys, *argv)
     assert code == ExitCode.USAGE
-    assert err.strip() == f"gpusnap: error: gpusnap {argv[0]} needs root (CRIU and runc do); run it with sudo"
+    assert err.strip() == f"gpusnap: error: gpusnap {argv[0]} needs root (CRIU and runc do); run it as root (with sudo if you are not)"

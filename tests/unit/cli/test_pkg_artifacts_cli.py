@@ -99,3 +99,34 @@ def test_push_podman_image_refuses_with_nothing_done(app: typer.Typer, store: Pa
     assert code == ExitCode.USAGE, (out, err)
     assert len(err.strip().splitlines()) == 1 and "--podman-image" in err, err
     assert api.list_checkpoints(store) == before
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_ls_keeps_references_whole_at_any_width(width: int) -> None:
+    from rich.console import Console
+
+    from gpusnap.cli.artifacts import ls_table
+
+    rows = [
+        {"ref": "127.0.0.1:5100/gs-pkg/a-rather-long-repository-name/checkpoint:v1", "digest": "sha256:" + "ab" * 32,
+         "container": "gs-pkg-" + "0123456789abcdef" * 2, "created": "2026-11-22T02:00:00Z", "size": 3 << 20},
+        {"ref": "localhost/gpusnap/gpusnap-demo:demo", "digest": "sha256:" + "cd" * 32, "container": "demo",
+         "created": "2026-11-24T02:00:00Z", "size": 3 << 30},
+    ]
+    console = Console(width=width, highlight=False, record=True, file=open("/dev/null", "w"))
+    console.print(ls_table(rows, width, now=1795500000.0))
+    lines = console.export_text().splitlines()
+    assert all(len(line.rstrip()) <= width for line in lines)
+    for r in rows:
+        assert any(r["ref"] in line for line in lines), (r["ref"], lines)
+        assert any("abababa"[: 7] in line or "cdcdcdc" in line for line in lines)
+    assert any("3.0 GiB" in line for line in lines) and any("3.0 MiB" in line for line in lines)
+
+
+def test_rm_removes_what_exists_and_reports_the_rest(app: typer.Typer, store: Path) -> None:
+    ref = "127.0.0.1:5100/gs-pkg/a-rather-long-repository-name/checkpoint:v1"
+    r = CliRunner().invoke(app, ["rm", "no/such:ref", ref, "--store", str(store)], env={"COLUMNS": "80"})
+    assert r.exit_code == ExitCode.NOT_FOUND
+    assert f"removed {ref}" in r.stdout
+    assert "no/such:ref" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert api.list_checkpoints(store) == []
