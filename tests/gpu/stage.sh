@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what run_gpu_suite.sh needs on a GPU machine that reaches no registry, into DEST:
-# a copy of the checkout's tests/, bench/ and pyproject.toml, .gpu-tools/ (CRIU 4.1.1 + runc
+# a copy of the checkout's tests/, bench/ and pyproject.toml, .gpu-tools/ (CRIU 4.1.1 + runc, docker-registry
 # from Debian 13 packages, GPU_TOOLS_SCRIPT builds it) and .whl/ (gpusnap's wheel plus the
 # wheels of jsonschema and its dependencies, which the GPU image lacks). Run it on a Debian
 # host with pip; then copy DEST to the GPU machine and run DEST/tests/gpu/run_gpu_suite.sh.
@@ -45,6 +45,9 @@ if [ "${GS_GPU_CRI:-0}" = 1 ]; then
   tar -C "$c2" -cJf "$DEST/.gpu-tools/containerd2.tar.xz" containerd2
   rm -rf "$c2"
 fi
+# bench/e2e.py starts a real docker-registry; the GPU machine has none. Debian's binary is Go,
+# linked only against glibc (2.36 here; the GPU machine has 2.39).
+cp /usr/bin/docker-registry "$DEST/.gpu-tools/bin/docker-registry"
 rm -f "$DEST"/.whl/gpusnap-*.whl
 PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python
 # A checkout's own venv has setuptools and wheel; a clean checkout builds in pip's isolated
