@@ -442,6 +442,10 @@ class BareContainer:
         st = json.loads(self._runc("state", self.name).stdout)
         return int(st["pid"])
 
+    def running(self) -> bool:
+        p = self._runc("state", self.name)
+        return p.returncode == 0 and json.loads(p.stdout).get("status") == "running"
+
     def checkpoint(self, images: Path, cuda: CudaDriver | None) -> float:
         """Leave-running checkpoint, as ``gpusnap checkpoint --leave-running`` does it."""
         pid = self.pid()
@@ -502,6 +506,7 @@ class Workload:
     ready_timeout: float
     warm_steps: int  # steps to wait for before the first checkpoint
     diff: bool = True  # run ckdiff between the two checkpoints
+    second_checkpoint: bool = True
     growth_target: float | None = None  # second checkpoint, % of the first push's registry bytes
     cold_start_target: float | None = None  # cold start / restore
 
@@ -534,10 +539,26 @@ def last_steps(env: Env, name: str, store: Path) -> list[tuple[int, str, float]]
     return parse_steps(c.stdout) if c.rc == 0 else []
 
 
+def container_status(env: Env, name: str, store: Path) -> str:
+    c = measure([*env.gpusnap, "ps", "--json"], env=env.cli_env(store), timeout=120)
+    try:
+        return next((str(x.get("status")) for x in json.loads(c.stdout) if x.get("name") == name), "gone")
+    except ValueError:
+        return "unknown"
+
+
 def first_step_after(env: Env, name: str, store: Path, since: float, timeout: float) -> tuple[int, str, float]:
+    polls = [0]
+
     def probe():  # type: ignore[no-untyped-def]
         later = [s for s in last_steps(env, name, store) if s[2] > since]
-        return later[0] if later else None
+        if later:
+            return later[0]
+        polls[0] += 1
+        if polls[0] % 5 == 0 and container_status(env, name, store) not in ("running", "unknown"):
+            logs = measure([*env.gpusnap, "logs", name, "--tail", "15"], env=env.cli_env(store), timeout=60)
+            raise RuntimeError(f"{name} is not running after restore; its last output: {logs.stdout[-1500:]!r}")
+        return None
 
     return wait_until(probe, timeout, f"{name} to print a step after {since:.3f}", interval=0.3)
 
@@ -556,6 +577,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
 
     # 1. by hand
     bare = BareContainer(work, w.argv, w.gpu, env.runc)
+    stage = "start"
     try:
         say(f"{w.name}: by hand: starting a runc container")
         t_start = time.time()
@@ -567,21 +589,43 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         say(f"{w.name}: by hand: first step {first[2] - t_start:.1f} s after start; {r['ready_line']}")
         if w.gpu:
             r["gpu_memory_gb"] = gpu_memory_gb(bare.pid())
+        stage = "checkpoint"
         r["bare_checkpoint_s"] = bare.checkpoint(images, env.cuda)
         r["image_bytes"] = tree_bytes(images)
         at = parse_steps(bare.output())[-1][0]
+        # A few steps past the checkpoint, so that the restored run's steps can be compared.
+        wait_until(lambda: parse_steps(bare.output())[-1][0] >= at + 3, 120, f"{w.name} (by hand) to go on after the checkpoint", 0.05)
+        stage = "restore"
         secs, started = bare.restore(images, env.cuda)
         r["bare_restore_cmd_s"] = secs
-        nxt = wait_until(lambda: next((s for s in parse_steps(bare.readers[-1].text) if s[2] > started), None), 600, f"{w.name} (by hand) output after restore", 0.05)
+        stage = "output after restore"
+
+        def restored_step():  # type: ignore[no-untyped-def]
+            got = next((s for s in parse_steps(bare.readers[-1].text) if s[2] > started), None)
+            if got is None and not bare.running():
+                raise RuntimeError(f"the restored workload exited; its output: {bare.readers[-1].text[-1500:]!r}")
+            return got
+
+        nxt = wait_until(restored_step, after_timeout(r), f"{w.name} (by hand) output after restore; its output: {bare.readers[-1].text[-800:]!r}", 0.05)
         r["bare_restore_s"] = nxt[2] - started
         time.sleep(2)
         same, differ = values.compare(parse_steps(bare.output()))
         r["bare_continuation"] = {"checkpoint_step": at, "first_step_after_restore": nxt[0], "same": same, "differ": differ}
         say(f"{w.name}: by hand: checkpoint {r['bare_checkpoint_s']:.2f} s ({gb(r['image_bytes']):.2f} GB), restore to first step {r['bare_restore_s']:.2f} s "
-            f"(commands {secs:.2f} s); step {at} -> {nxt[0]}")
+            f"(commands {secs:.2f} s); step {at} -> {nxt[0]}; {same} steps equal to the run before, {differ} differ")
+    except Exception as exc:  # recorded; gpusnap's paths are measured all the same
+        r["bare_error"] = f"{stage}: {type(exc).__name__}: {exc}"
+        say(f"{w.name}: by hand FAILED at {r['bare_error']}; output: {bare.output()[-1500:]}")
     finally:
         bare.cleanup()
         shutil.rmtree(images, ignore_errors=True)
+    argv = w.argv
+    if "bare_error" in r and stage in ("restore", "output after restore") and "cudagraphs=on" in r.get("ready_line", "") and "--compile" in argv:
+        # CUDA graphs did not come back from the driver's checkpoint: measure gpusnap's paths
+        # on the same server compiled without them (what a user would do), and say so.
+        argv = [*argv[:argv.index("--compile") + 1], "default", *argv[argv.index("--compile") + 2:]]
+        r["cuda_graphs_fallback"] = "by-hand restore failed with CUDA graphs on: gpusnap paths measured with --compile default"
+        say(f"{w.name}: {r['cuda_graphs_fallback']}")
 
     # 2. the user's paths
     e_b = env.cli_env(store_b)
@@ -591,7 +635,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         run_argv += ["--env", "NVIDIA_VISIBLE_DEVICES=all"]
     try:
         say(f"{w.name}: gpusnap run")
-        c = measure([*run_argv, "--", *w.argv], env=e_b)
+        c = measure([*run_argv, "--", *argv], env=e_b)
         r["rss"].append(rss_row("run", c))
         c.check()
         wait_until(lambda: len(last_steps(env, name, store_b)) >= w.warm_steps, w.ready_timeout, f"{name} to reach step {w.warm_steps}", 1.0)
@@ -599,6 +643,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         r["cold_start_s"] = steps[0][2] - c.start
         say(f"{w.name}: cold start (gpusnap run to the first step) {r['cold_start_s']:.1f} s")
 
+        r.setdefault("image_bytes", 0)
         need(env, 30 + 8 * gb(r["image_bytes"]), "the checkpoints")
         reg0 = tree_bytes(reg_data)
         say(f"{w.name}: gpusnap checkpoint --leave-running --push {remote}:1 (empty store, empty repository)")
@@ -607,23 +652,29 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         c1.check()
         reg1, st1 = tree_bytes(reg_data), tree_bytes(store_b)
         j1 = c1.json()
+        r["image_bytes"] = r["image_bytes"] or int(j1.get("size") or 0)
         r["ck1"] = {"seconds": c1.seconds, "timings_s": j1.get("timings_s", {}), "size": j1.get("size"), "ref": j1.get("ref"),
                     "registry_bytes": reg1 - reg0, "store_bytes": st1}
         say(f"{w.name}: checkpoint --push {c1.seconds:.2f} s {j1.get('timings_s')}; registry +{gb(reg1 - reg0):.2f} GB, store {gb(st1):.2f} GB")
-        time.sleep(3)
-        say(f"{w.name}: second checkpoint --leave-running --push {remote}:2")
-        c2 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{remote}:2", "--insecure", "--json"], env=e_b)
-        r["rss"].append(rss_row("checkpoint --push (2nd)", c2))
-        c2.check()
-        reg2, st2 = tree_bytes(reg_data), tree_bytes(store_b)
-        j2 = c2.json()
-        r["ck2"] = {"seconds": c2.seconds, "timings_s": j2.get("timings_s", {}), "size": j2.get("size"), "ref": j2.get("ref"),
-                    "registry_bytes": reg2 - reg1, "store_bytes": st2 - st1}
-        say(f"{w.name}: 2nd checkpoint --push {c2.seconds:.2f} s {j2.get('timings_s')}; registry +{gb(reg2 - reg1):.3f} GB "
-            f"({(reg2 - reg1) / max(reg1 - reg0, 1):.1%} of the first), store +{gb(st2 - st1):.3f} GB")
-        wait_until(lambda: len(last_steps(env, name, store_b)) > len(steps) + 3, 300, "steps after the 2nd checkpoint", 1.0)
-        orig = last_steps(env, name, store_b)
-        values.compare(orig)
+        last_ref, last_remote, j2 = j1.get("ref"), f"{remote}:1", {}
+        if w.second_checkpoint:
+            time.sleep(3)
+            need(env, 30 + 8 * gb(r["image_bytes"]) + 30 + 5 * gb(r["image_bytes"]), "the second checkpoint (and then a restore)")
+            say(f"{w.name}: second checkpoint --leave-running --push {remote}:2")
+            c2 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{remote}:2", "--insecure", "--json"], env=e_b)
+            r["rss"].append(rss_row("checkpoint --push (2nd)", c2))
+            c2.check()
+            reg2, st2 = tree_bytes(reg_data), tree_bytes(store_b)
+            j2 = c2.json()
+            r["ck2"] = {"seconds": c2.seconds, "timings_s": j2.get("timings_s", {}), "size": j2.get("size"), "ref": j2.get("ref"),
+                        "registry_bytes": reg2 - reg1, "store_bytes": st2 - st1}
+            say(f"{w.name}: 2nd checkpoint --push {c2.seconds:.2f} s {j2.get('timings_s')}; registry +{gb(reg2 - reg1):.3f} GB "
+                f"({(reg2 - reg1) / max(reg1 - reg0, 1):.1%} of the first), store +{gb(st2 - st1):.3f} GB")
+            last_ref, last_remote = j2.get("ref"), f"{remote}:2"
+        else:
+            r["skipped"].append("second checkpoint (not asked for this workload)")
+        wait_until(lambda: len(last_steps(env, name, store_b)) > len(steps) + 3, 300, "steps after the last checkpoint", 1.0)
+        values.compare(last_steps(env, name, store_b))
         measure([*env.gpusnap, "delete", name], env=e_b).check()
 
         if w.diff and j1.get("ref") and j2.get("ref"):
@@ -640,11 +691,11 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
 
         # restore from the local store (time for it and the registry's)
         if env.left() > 60 + 10 * gb(r["image_bytes"]):
-            say(f"{w.name}: gpusnap restore {j2['ref']} (local store)")
-            c3 = measure([*env.gpusnap, "restore", j2["ref"], "--json"], env=e_b)
+            say(f"{w.name}: gpusnap restore {last_ref} (local store)")
+            c3 = measure([*env.gpusnap, "restore", str(last_ref), "--json"], env=e_b)
             r["rss"].append(rss_row("restore (local store)", c3))
             c3.check()
-            nxt = first_step_after(env, name, store_b, c3.start, 600)
+            nxt = first_step_after(env, name, store_b, c3.start, after_timeout(r))
             r["restore_local_s"] = nxt[2] - c3.start
             r["restore_local_cmd_s"] = c3.seconds
             r["restore_local_timings_s"] = c3.json().get("timings_s", {})
@@ -662,11 +713,11 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         # restore from the registry, nothing in the local store
         need(env, 30 + 5 * gb(r["image_bytes"]), "the restore from the registry")
         e_c = env.cli_env(store_c)
-        say(f"{w.name}: gpusnap restore {remote}:2 (empty local store)")
-        c4 = measure([*env.gpusnap, "restore", f"{remote}:2", "--insecure", "--json"], env=e_c)
+        say(f"{w.name}: gpusnap restore {last_remote} (empty local store)")
+        c4 = measure([*env.gpusnap, "restore", last_remote, "--insecure", "--json"], env=e_c)
         r["rss"].append(rss_row("restore (registry)", c4))
         c4.check()
-        nxt = first_step_after(env, name, store_c, c4.start, 600)
+        nxt = first_step_after(env, name, store_c, c4.start, after_timeout(r))
         r["restore_registry_s"] = nxt[2] - c4.start
         r["restore_registry_cmd_s"] = c4.seconds
         r["restore_registry_timings_s"] = c4.json().get("timings_s", {})
@@ -688,6 +739,12 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return r
+
+
+def after_timeout(r: dict[str, Any]) -> float:
+    """How long a restored workload may take to print its next step: a workload that died on
+    restore (CUDA graphs the driver did not bring back, say) must not eat the whole budget."""
+    return 120 + 10 * gb(r.get("image_bytes") or 0)
 
 
 class OutOfTime(Exception):
@@ -788,6 +845,16 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                   + (f"; {w['ready_line']}" if w.get("ready_line") else ""),
                   "| stage | s | GB/s | ratio | target |", "|---|---:|---:|---|---|"]
         lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+        if "cudagraphs=on" in w.get("ready_line", ""):
+            def survived(key: str) -> str:
+                c = w.get(key)
+                return "not run" if c is None else ("yes (same tokens after restore)" if c["same"] and not c["differ"] else "no")
+
+            lines.append(f"CUDA graphs (torch.compile reduce-overhead) after checkpoint/restore: by hand {survived('bare_continuation')}, "
+                         f"gpusnap from the store {survived('restore_local_continuation')}, from the registry {survived('restore_registry_continuation')}"
+                         + (f"; {w['cuda_graphs_fallback']}" if w.get("cuda_graphs_fallback") else ""))
+        if w.get("bare_error"):
+            lines.append(f"by hand FAILED: {w['bare_error'][:600]}")
         if w.get("skipped"):
             lines.append(f"skipped: {', '.join(w['skipped'])}")
         if w.get("error"):
@@ -808,6 +875,7 @@ def main() -> int:
     ap.add_argument("--cpu-zero-mib", type=int, default=256)
     ap.add_argument("--cpu-const-mib", type=int, default=256)
     ap.add_argument("--train-batch", type=int, default=16)
+    ap.add_argument("--train-second-checkpoint", action="store_true", help="also a second checkpoint of the training run")
     ap.add_argument("--server-compile", default="reduce-overhead", choices=["reduce-overhead", "default", "none"])
     ap.add_argument("--floor-gib", type=float, default=0, help="bytes for each floor (default 1 GiB CPU, 4 GiB GPU)")
     ap.add_argument("--floor", help=argparse.SUPPRESS)
@@ -867,7 +935,10 @@ def main() -> int:
         catalog = {
             "server": Workload("server", [py, str(workloads / "gpt2_server.py"), "serve", str(weights), "--compile", args.server_compile], True, 900, 5,
                                growth_target=10.0, cold_start_target=10.0),
-            "train": Workload("train", [py, str(workloads / "gpt2_train.py"), "--batch", str(args.train_batch)], True, 600, 3, diff=False),
+            # Training changes all its state every step: a second checkpoint says nothing new, and its
+            # minutes are better spent on the restores within one 10-minute run.
+            "train": Workload("train", [py, str(workloads / "gpt2_train.py"), "--batch", str(args.train_batch)], True, 600, 3, diff=False,
+                              second_checkpoint=args.train_second_checkpoint),
         }
     else:
         names = (args.workloads or "cpu").split(",")
@@ -885,6 +956,7 @@ def main() -> int:
                 (args.out / "e2e.json").write_text(json.dumps(res, indent=1))
     finally:
         shutil.rmtree(args.work, ignore_errors=True)
+        shutil.rmtree(reg_root, ignore_errors=True)  # on /dev/shm in GPU runs: memory
         res["seconds"] = time.time() - t_begin
         lines = report(res, args.gpu)
         for line in lines:
@@ -904,7 +976,7 @@ def versions(gpusnap: str, runc: str) -> dict[str, str]:
         except (OSError, IndexError, subprocess.TimeoutExpired):
             return "?"
 
-    v = {"gpusnap": first([gpusnap, "--version"]), "runc": first([runc, "--version"]), "criu": first(["criu", "--version"]), "python": sys.version.split()[0]}
+    v = {"commit": first(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]), "gpusnap": first([gpusnap, "--version"]), "runc": first([runc, "--version"]), "criu": first(["criu", "--version"]), "python": sys.version.split()[0]}
     if shutil.which("nvidia-smi"):
         v["gpu"] = first(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     return v

@@ -55,6 +55,7 @@ KINDS = ("same", "moved", "changed", "new")
 ZERO_DIGEST = hashlib.blake2b(bytes(PAGE), digest_size=16).digest()
 WINDOWS_KIB = (64, 1024, 4096, 16384)
 READ_PAGES = 2048  # pages read from a pages file at once (8 MiB)
+JSON_MAPPINGS = 500  # mappings in the JSON report, most non-same pages first (a GPU process has thousands)
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return {
             "a": self.a, "b": self.b, "files": [asdict(f) for f in self.files], "pages": self.pages.to_dict(),
-            "per_mapping": self.per_mapping, "regions": [asdict(r) for r in self.regions],
+            "per_mapping": self.per_mapping[:JSON_MAPPINGS], "mappings": len(self.per_mapping), "regions": [asdict(r) for r in self.regions],
             "shifts": [{"delta": d, "pages": n} for d, n in self.shifts], "send": self.send, "windows": self.windows,
         }
 

@@ -1,0 +1,83 @@
+"""ckdiff on two checkpoints CRIU dumped of one process: memory kept, rewritten and moved
+between them is reported as such."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpusnap.packaging import ckdiff
+
+MIB = 1 << 20
+HOLDER = r"""
+import os, random, sys, time
+d = sys.argv[1]
+keep = random.Random(1).randbytes(16 << 20)                # the same in both checkpoints
+rewrite = bytearray(random.Random(2).randbytes(4 << 20))   # rewritten in place
+mover = bytes(random.Random(3).randbytes(8 << 20))         # copied to a new mapping, old one freed
+open(f"{d}/ready1", "w").close()
+while not os.path.exists(f"{d}/go"):
+    time.sleep(0.01)
+rewrite[:] = random.Random(4).randbytes(4 << 20)
+moved = bytearray(mover)
+del mover
+open(f"{d}/ready2", "w").close()
+while True:
+    time.sleep(1)
+"""
+
+
+def _wait(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+def _dump(pid: int, images: Path) -> None:
+    images.mkdir()
+    proc = subprocess.run(["criu", "dump", "-t", str(pid), "-D", str(images), "--leave-running", "-o", "dump.log"],
+                          capture_output=True, text=True, timeout=120)
+    log = (images / "dump.log").read_text() if (images / "dump.log").exists() else ""
+    assert proc.returncode == 0, f"criu dump failed: {proc.stderr}\n{log[-3000:]}"
+    (images / "dump.log").unlink()
+
+
+@pytest.mark.skipif(not shutil.which("criu"), reason="criu not installed (run tests/host/provision.sh)")
+def test_kept_rewritten_and_moved_memory(tmp_path: Path) -> None:
+    (tmp_path / "holder.py").write_text(HOLDER)
+    with open(tmp_path / "out", "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "holder.py"), str(tmp_path)], stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=out, start_new_session=True)
+    try:
+        _wait(tmp_path / "ready1")
+        _dump(proc.pid, tmp_path / "a")
+        (tmp_path / "go").touch()
+        _wait(tmp_path / "ready2")
+        _dump(proc.pid, tmp_path / "b")
+    finally:
+        proc.kill()
+        proc.wait()
+    r = ckdiff.diff(tmp_path / "a", tmp_path / "b")
+    pages = r.pages
+    assert pages.same * ckdiff.PAGE >= 16 * MIB  # kept
+    assert (pages.changed + pages.new) * ckdiff.PAGE >= 4 * MIB  # rewritten
+    assert pages.moved * ckdiff.PAGE >= 8 * MIB - 64 * 1024  # moved (a mapping's first page holds malloc's header)
+    # The moved buffer is one shift; the page-level dedup sends the rewrite and little else,
+    # where 16 MiB pieces of the pages file cut without its structure send much more.
+    assert r.shifts and r.shifts[0][1] * ckdiff.PAGE >= 8 * MIB - 64 * 1024
+    assert 4 * MIB <= r.send["ideal_page_dedup_bytes"] < 6 * MIB
+    assert r.send["fixed_16384k_pieces_bytes"] > 12 * MIB
+    moved_maps = [m for m in r.per_mapping if m["moved"] * ckdiff.PAGE >= 8 * MIB - 64 * 1024]
+    assert moved_maps and "anon-private" in moved_maps[0]["vma"]
+    differing = {f.name for f in r.files if f.status == "differs"}
+    assert f"core-{proc.pid}.img" in differing and any(n.startswith("pages-") for n in differing)
+    out_json = tmp_path / "diff.json"
+    assert ckdiff.main([str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["pages"]["moved"] == pages.moved
