@@ -866,7 +866,7 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", action="store_true", help="GPU workloads (inference server, training) on a GPU machine")
-    ap.add_argument("--workloads", help="comma-separated subset: cpu | server,train")
+    ap.add_argument("--workloads", help="comma-separated, of cpu, server, train (default: cpu; with --gpu: server,train)")
     ap.add_argument("--work", type=Path, default=Path("/var/tmp/gpusnap-e2e"), help="stores, CRIU work dirs, by-hand images (the store's filesystem)")
     ap.add_argument("--registry-dir", type=Path, help="the registry's storage (default: under --work)")
     ap.add_argument("--out", type=Path, help="results directory (default bench/results/<host>-<date>)")
@@ -874,6 +874,7 @@ def main() -> int:
     ap.add_argument("--cpu-random-mib", type=int, default=1024)
     ap.add_argument("--cpu-zero-mib", type=int, default=256)
     ap.add_argument("--cpu-const-mib", type=int, default=256)
+    ap.add_argument("--workload-python", help="interpreter of the workloads (default: this one); it needs torch and transformers for server/train")
     ap.add_argument("--train-batch", type=int, default=16)
     ap.add_argument("--train-second-checkpoint", action="store_true", help="also a second checkpoint of the training run")
     ap.add_argument("--server-compile", default="reduce-overhead", choices=["reduce-overhead", "default", "none"])
@@ -925,25 +926,28 @@ def main() -> int:
         floors |= run_floor("http", size=fsize, host=registry.host, streams=min(8, os.cpu_count() or 1))
         res["floors"] = floors
     shutil.rmtree(reg_root, ignore_errors=True)
-    if args.gpu:
-        weights = args.work / "gpt2-large"
-        names = (args.workloads or "server,train").split(",")
-        if "server" in names:
-            say("writing GPT-2 large weights (random, seeded) as safetensors")
-            c = measure([py, str(workloads / "gpt2_server.py"), "setup", str(weights)], timeout=600)
-            say(c.stdout.strip() or c.stderr.strip()[-1000:])
-        catalog = {
-            "server": Workload("server", [py, str(workloads / "gpt2_server.py"), "serve", str(weights), "--compile", args.server_compile], True, 900, 5,
-                               growth_target=10.0, cold_start_target=10.0),
-            # Training changes all its state every step: a second checkpoint says nothing new, and its
-            # minutes are better spent on the restores within one 10-minute run.
-            "train": Workload("train", [py, str(workloads / "gpt2_train.py"), "--batch", str(args.train_batch)], True, 600, 3, diff=False,
-                              second_checkpoint=args.train_second_checkpoint),
-        }
-    else:
-        names = (args.workloads or "cpu").split(",")
-        catalog = {"cpu": Workload("cpu", [py, str(workloads / "cpu_holder.py"), "--random-mib", str(args.cpu_random_mib), "--zero-mib", str(args.cpu_zero_mib),
-                                           "--const-mib", str(args.cpu_const_mib)], False, 300, 5, growth_target=2.0)}
+    wpy = args.workload_python or py
+    tiny = [] if args.gpu else ["--small"]  # the GPT-2 workloads on a CPU: tiny models, to try the harness
+    names = (args.workloads or ("server,train" if args.gpu else "cpu")).split(",")
+    weights = args.work / "gpt2-large"
+    if "server" in names:
+        say("writing GPT-2 large weights (random, seeded) as safetensors")
+        c = measure([wpy, str(workloads / "gpt2_server.py"), "setup", str(weights), *tiny], timeout=600)
+        say(c.stdout.strip() or c.stderr.strip()[-1000:])
+    catalog = {
+        "server": Workload("server", [wpy, str(workloads / "gpt2_server.py"), "serve", str(weights), "--compile", args.server_compile], args.gpu, 900, 5,
+                           growth_target=10.0, cold_start_target=10.0),
+        # Training changes all its state every step: a second checkpoint says nothing new, and its
+        # minutes are better spent on the restores within one 10-minute run.
+        "train": Workload("train", [wpy, str(workloads / "gpt2_train.py"), "--batch", str(args.train_batch), *tiny], args.gpu, 600, 3, diff=False,
+                          second_checkpoint=args.train_second_checkpoint),
+        "cpu": Workload("cpu", [wpy, str(workloads / "cpu_holder.py"), "--random-mib", str(args.cpu_random_mib), "--zero-mib", str(args.cpu_zero_mib),
+                                "--const-mib", str(args.cpu_const_mib)], False, 300, 5, growth_target=2.0),
+    }
+    unknown = set(names) - set(catalog)
+    if unknown:
+        print(f"e2e: unknown workload(s) {', '.join(sorted(unknown))}; pick from {', '.join(catalog)}", file=sys.stderr)
+        return 2
     try:
         with Registry(reg_root, E2E_PORTS) as registry:
             env = Env(args, args.work, [gpusnap], runc, registry, cuda, deadline, res)
