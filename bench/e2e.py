@@ -425,7 +425,7 @@ class BareContainer:
         self.mounted = True
         subprocess.run([self.runc, "spec"], cwd=self.bundle, check=True)
         spec = json.loads((self.bundle / "config.json").read_text())
-        env = [f"PATH={os.path.dirname(self.argv[0])}:{HOST_PATH}", "HOME=/root", "PYTHONUNBUFFERED=1", "HF_HUB_OFFLINE=1", "TORCHINDUCTOR_COMPILE_THREADS=1", "HF_HUB_DISABLE_PROGRESS_BARS=1", "TRANSFORMERS_VERBOSITY=error"]
+        env = [f"PATH={os.path.dirname(self.argv[0])}:{HOST_PATH}", "HOME=/root", "PYTHONUNBUFFERED=1", "HF_HUB_OFFLINE=1", "HF_HUB_DISABLE_PROGRESS_BARS=1", "TRANSFORMERS_VERBOSITY=error"]
         spec["process"].update(terminal=False, args=self.argv, env=env, cwd="/")
         spec["root"] = {"path": "rootfs", "readonly": False}
         # No network namespace: CRIU then needs no network lock (the GPU machine has no iptables).
@@ -646,7 +646,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
     # 2. the user's paths
     e_b = env.cli_env(store_b)
     run_argv = [*env.gpusnap, "run", name, "--rootfs-overlay", "/", "--env", "PYTHONUNBUFFERED=1", "--env", "HF_HUB_OFFLINE=1",
-                "--env", "TORCHINDUCTOR_COMPILE_THREADS=1", "--env", "HF_HUB_DISABLE_PROGRESS_BARS=1", "--env", "TRANSFORMERS_VERBOSITY=error", "--env", "HOME=/root", "--env", f"PATH={os.path.dirname(w.argv[0])}:{HOST_PATH}"]
+                "--env", "HF_HUB_DISABLE_PROGRESS_BARS=1", "--env", "TRANSFORMERS_VERBOSITY=error", "--env", "HOME=/root", "--env", f"PATH={os.path.dirname(w.argv[0])}:{HOST_PATH}"]
     if w.gpu:
         run_argv += ["--env", "NVIDIA_VISIBLE_DEVICES=all"]
     try:

@@ -78,6 +78,16 @@ def serve(path: str, mode: str, batch: int, window: int, sleep: float) -> int:
             fn(ids)
         if device == "cuda":
             torch.cuda.synchronize()
+        # Compiling is done: stop inductor's pool of compile processes, as a server that has
+        # warmed up would (they would otherwise sit in every checkpoint).
+        workers = "none"
+        try:
+            from torch._inductor.async_compile import shutdown_compile_workers
+
+            shutdown_compile_workers()
+            workers = "stopped"
+        except Exception as exc:  # an older or newer torch without it: say so, keep serving
+            workers = f"kept ({type(exc).__name__})"
         graphs = "off"
         if compiled == "reduce-overhead" and device == "cuda":
             from torch._dynamo.utils import counters
@@ -85,7 +95,7 @@ def serve(path: str, mode: str, batch: int, window: int, sleep: float) -> int:
             skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
             graphs = "on" if not skips else f"off (skipped {skips}x)"
         mem = torch.cuda.memory_reserved() if device == "cuda" else 0
-        print(f"ready compile={compiled} cudagraphs={graphs} import_s={t_import - T0:.1f} load_s={t_load - t_import:.1f} "
+        print(f"ready compile={compiled} cudagraphs={graphs} compile_workers={workers} import_s={t_import - T0:.1f} load_s={t_load - t_import:.1f} "
               f"warmup_s={time.time() - t_load:.1f} gpu_reserved_gb={mem / 1e9:.2f} t={time.time():.3f}", flush=True)
         step = 0
         while True:
