@@ -42,7 +42,13 @@ if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 5
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PATH=$TOOLS/bin:$(dirname "$(command -v python3)"):$SITE/bin:$PATH PYTHONUNBUFFERED=1
+# docker-registry (bench/e2e.py) travels xz-compressed; Python's lzma unpacks it (no xz needed).
+if [ -f "$TOOLS/docker-registry.xz" ] && ! command -v docker-registry >/dev/null; then
+  mkdir -p /tmp/gs-gpu-bin
+  python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$TOOLS/docker-registry.xz" /tmp/gs-gpu-bin/docker-registry \
+    && chmod +x /tmp/gs-gpu-bin/docker-registry
+fi
+export PATH=$TOOLS/bin:$(dirname "$(command -v python3)"):$SITE/bin:/tmp/gs-gpu-bin:$PATH PYTHONUNBUFFERED=1
 export GPUSNAP_GPU_TOOLS=$TOOLS   # the device tests (test_gpu_devices.py) find runc there
 if [ -f "$TOOLS/containerd2.tar.xz" ] && [ ! -x "$TOOLS/containerd2/bin/containerd" ]; then
   tar -C "$TOOLS" -xJf "$TOOLS/containerd2.tar.xz" || exit 5   # GS_GPU_CRI=1 stage.sh packed it
