@@ -636,11 +636,11 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         bare.cleanup()
         shutil.rmtree(images, ignore_errors=True)
     argv = w.argv
-    if "bare_error" in r and stage in ("restore", "output after restore") and "cudagraphs=on" in r.get("ready_line", "") and "--compile" in argv:
+    if "bare_error" in r and stage in ("checkpoint", "restore", "output after restore") and "cudagraphs=on" in r.get("ready_line", "") and "--compile" in argv:
         # CUDA graphs did not come back from the driver's checkpoint: measure gpusnap's paths
         # on the same server compiled without them (what a user would do), and say so.
         argv = [*argv[:argv.index("--compile") + 1], "default", *argv[argv.index("--compile") + 2:]]
-        r["cuda_graphs_fallback"] = "by-hand restore failed with CUDA graphs on: gpusnap paths measured with --compile default"
+        r["cuda_graphs_fallback"] = f"by-hand {stage} failed with CUDA graphs on: gpusnap paths measured with --compile default"
         say(f"{w.name}: {r['cuda_graphs_fallback']}")
 
     # 2. the user's paths
