@@ -14,7 +14,9 @@ temporary directory first). B is compared against A, as a second checkpoint agai
   dump, content A does not have); all-zero pages are counted as well;
 - the same per mapping (the VMA list of mm-<pid>.img, named from files.img), and as regions
   (runs of consecutive pages of one kind), largest first;
-- the most common address shifts of moved pages;
+- the most common address shifts of moved pages (pages are compared whole: content copied to
+  an address that is not a whole number of pages away, as malloc places small objects, shares no
+  page with its original and shows as changed or new, not moved);
 - what would be sent: an ideal page-level dedup against A (distinct B pages A lacks, plus
   every differing non-page file), fixed-size pieces of the pages stream at several sizes
   (what any chunking that ignores CRIU's structure at best achieves), and the whole pages files.
