@@ -694,7 +694,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         measure([*env.gpusnap, "delete", name], env=e_b).check()
 
         if w.diff and j1.get("ref") and j2.get("ref"):
-            if env.left() > 60 + 30 * gb(r["image_bytes"]):
+            if env.left() > 60 + 15 * gb(r["image_bytes"]):
                 say(f"{w.name}: ckdiff first vs second checkpoint")
                 d = measure([sys.executable, "-m", "gpusnap.packaging.ckdiff", "--store", str(store_b), "--tmp", str(work), "--top", "12",
                              "--json", str(env.args.out / f"ckdiff-{w.name}.json"), j1["ref"], j2["ref"]], env=e_b, timeout=900)

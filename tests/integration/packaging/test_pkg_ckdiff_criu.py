@@ -18,7 +18,7 @@ MIB = 1 << 20
 # Page-aligned buffers (mmap), as a GPU driver's are: a copy shifted by less than a page would
 # have no page in common with the original (ckdiff's docstring).
 HOLDER = r"""
-import mmap, os, random, sys, time
+import hashlib, mmap, os, random, sys, time
 d = sys.argv[1]
 
 def filled(seed, size):
@@ -32,9 +32,12 @@ mover = filled(3, 8 << 20)     # copied to a new mapping, the old one unmapped
 open(f"{d}/ready1", "w").close()
 while not os.path.exists(f"{d}/go"):
     time.sleep(0.01)
-rewrite[:] = random.Random(4).randbytes(4 << 20)
+# In 4 KiB / 64 KiB steps: a whole-buffer temporary would itself be new memory in the dump.
+for i in range(0, 4 << 20, 4096):
+    rewrite[i:i + 4096] = hashlib.sha256(i.to_bytes(8, "little")).digest() * 128
 moved = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-moved[:] = mover[:]
+for i in range(0, 8 << 20, 65536):
+    moved[i:i + 65536] = mover[i:i + 65536]
 mover.close()
 open(f"{d}/ready2", "w").close()
 while True:
