@@ -26,6 +26,11 @@ GPT-2 124M AdamW training holding ~20 GB):
 3. ``python -m gpusnap.packaging.ckdiff`` between the two checkpoints (what changed, what a
    page-level dedup would send).
 
+Where the bytes go: gpusnap's CRIU images (GPUSNAP_STATE_DIR, --state-dir) and the by-hand
+images on tmpfs (/dev/shm), the stores on disk (--work; the disk floor is measured there), the
+registry's storage under --work or --registry-dir (tmpfs on the GPU machine, whose 64 GB disk
+cannot hold a 20 GB checkpoint three times).
+
 Every gpusnap command's peak RSS: its own VmHWM (sampled) and the largest of it and the
 children it waited for (wait4). Prints each stage's GB/s, each ratio against its floor or by-hand
 peer, and the issue's targets with PASS/FAIL; writes e2e.json and e2e.log to
@@ -540,7 +545,7 @@ class Env:
 
     def cli_env(self, store: Path) -> dict[str, str]:
         return {**os.environ, "GPUSNAP_STORE": str(store), "GPUSNAP_RUN_DIR": str(self.work / "run"),
-                "GPUSNAP_STATE_DIR": str(self.work / "state"), "GPUSNAP_CONFIG": "/nonexistent/gpusnap.toml"}
+                "GPUSNAP_STATE_DIR": str(self.args.state_dir), "GPUSNAP_CONFIG": "/nonexistent/gpusnap.toml"}
 
     def left(self) -> float:
         return self.deadline - time.time() if self.deadline else 1e9
@@ -586,7 +591,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
     work = env.work / w.name
     work.mkdir(parents=True, exist_ok=True)
     store_b, store_c = work / "store-b", work / "store-c"
-    images = work / "bare-images"
+    images = env.args.state_dir / "bare-images"  # where gpusnap's own CRIU dumps go (its state dir's tmp/)
     name = f"e2e-{w.name}"
     remote = f"{env.registry.host}/e2e/{w.name}"
     reg_data = env.registry.root / "data"
@@ -883,8 +888,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", action="store_true", help="GPU workloads (inference server, training) on a GPU machine")
     ap.add_argument("--workloads", help="comma-separated, of cpu, server, train (default: cpu; with --gpu: server,train)")
-    ap.add_argument("--work", type=Path, default=Path("/var/tmp/gpusnap-e2e"), help="stores, CRIU work dirs, by-hand images (the store's filesystem)")
+    ap.add_argument("--work", type=Path, default=Path("/var/tmp/gpusnap-e2e"), help="the stores (the disk-write floor is measured here), workload copies, weights")
     ap.add_argument("--registry-dir", type=Path, help="the registry's storage (default: under --work)")
+    ap.add_argument("--state-dir", type=Path, default=Path("/dev/shm/gpusnap-e2e-state"),
+                    help="GPUSNAP_STATE_DIR: where gpusnap (and the by-hand steps) write CRIU images before storing them / after pulling them")
     ap.add_argument("--out", type=Path, help="results directory (default bench/results/<host>-<date>)")
     ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run; optional stages are skipped past it (0: none)")
     ap.add_argument("--cpu-random-mib", type=int, default=1024)
@@ -919,6 +926,7 @@ def main() -> int:
         return 2
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
+    shutil.rmtree(args.state_dir, ignore_errors=True)
     # Containers run on an overlay of /: the workload scripts (and weights) must be on the root
     # filesystem, so they are copied into --work, which must be there too.
     if os.stat(args.work).st_dev != os.stat("/").st_dev:
@@ -977,6 +985,7 @@ def main() -> int:
     finally:
         shutil.rmtree(args.work, ignore_errors=True)
         shutil.rmtree(reg_root, ignore_errors=True)  # on /dev/shm in GPU runs: memory
+        shutil.rmtree(args.state_dir, ignore_errors=True)
         res["seconds"] = time.time() - t_begin
         lines = report(res, args.gpu)
         for line in lines:

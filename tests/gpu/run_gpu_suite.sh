@@ -18,9 +18,9 @@
 # checkpoint --push, restore from the store and from a local docker-registry, cold start) after
 # the benchmark, within what is left of GS_GPU_BUDGET; GS_GPU_E2E_ONLY=1 runs that alone (no
 # suite, no bench/gpu_checkpoint.py). One workload per run fits 10 minutes: run server, then train.
-# Its stores and work go to GS_GPU_E2E_WORK (default /var/tmp/gpusnap-e2e, the root filesystem,
-# which its containers see), its registry to /dev/shm (a 20 GB checkpoint stored, pushed and
-# pulled back does not fit the 64 GB disk otherwise); results in $OUT/e2e/.
+# Its stores go to GS_GPU_E2E_WORK (default /var/tmp/gpusnap-e2e, the root filesystem, which its
+# containers see), CRIU images and its registry to /dev/shm (a 20 GB checkpoint dumped, stored,
+# pushed and pulled back does not fit the 64 GB disk otherwise); results in $OUT/e2e/.
 # Exit status: the suite's (pytest), or the benchmark's if the suite passed, or e2e's.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
