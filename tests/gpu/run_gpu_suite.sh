@@ -83,9 +83,9 @@ if [ -n "${GS_GPU_E2E:-}" ]; then
   if [ "$BUDGET" -gt 0 ] && [ "$LEFT" -lt 120 ]; then
     echo "run_gpu_suite: ${LEFT} s left of GS_GPU_BUDGET: bench/e2e.py skipped (run it alone: GS_GPU_E2E_ONLY=1)" | tee "$OUT/e2e.log"
   else
-  python3 bench/e2e.py --gpu --workloads "$GS_GPU_E2E" --budget "$LEFT" --out "$OUT/e2e" \
-    --work "${GS_GPU_E2E_WORK:-/var/tmp/gpusnap-e2e}" --registry-dir /dev/shm/gpusnap-e2e-registry ${GS_GPU_E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
-  E2E=${PIPESTATUS[0]}
+    python3 bench/e2e.py --gpu --workloads "$GS_GPU_E2E" --budget "$LEFT" --out "$OUT/e2e" \
+      --work "${GS_GPU_E2E_WORK:-/var/tmp/gpusnap-e2e}" --registry-dir /dev/shm/gpusnap-e2e-registry ${GS_GPU_E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
+    E2E=${PIPESTATUS[0]}
   fi
 fi
 
