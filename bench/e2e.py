@@ -524,6 +524,7 @@ class Workload:
     warm_steps: int  # steps to wait for before the first checkpoint
     diff: bool = True  # run ckdiff between the two checkpoints
     second_checkpoint: bool = True
+    bare_rounds: int = 2  # by-hand cycles; the figure is their mean
     # Training's losses may differ in the last digits between runs where a kernel has no
     # deterministic variant (use_deterministic_algorithms warns only); a restore that went
     # wrong is off by far more (every step draws other data).
@@ -610,30 +611,35 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         say(f"{w.name}: by hand: first step {first[2] - t_start:.1f} s after start; {r['ready_line']}")
         if w.gpu:
             r["gpu_memory_gb"] = gpu_memory_gb(bare.pid())
-        stage = "checkpoint"
-        r["bare_checkpoint_s"] = bare.checkpoint(images, env.cuda)
-        r["image_bytes"] = tree_bytes(images)
-        at = parse_steps(bare.output())[-1][0]
-        # A few steps past the checkpoint, so that the restored run's steps can be compared.
-        wait_until(lambda: parse_steps(bare.output())[-1][0] >= at + 3, 120, f"{w.name} (by hand) to go on after the checkpoint", 0.05)
-        stage = "restore"
-        secs, started = bare.restore(images, env.cuda)
-        r["bare_restore_cmd_s"] = secs
-        stage = "output after restore"
+        cks, rss_, conts = [], [], []
+        for rnd in range(w.bare_rounds):  # a second round (on the restored container) evens out noise
+            stage = "checkpoint"
+            shutil.rmtree(images, ignore_errors=True)
+            cks.append(bare.checkpoint(images, env.cuda))
+            r["image_bytes"] = tree_bytes(images)
+            at = parse_steps(bare.output())[-1][0]
+            # A few steps past the checkpoint, so that the restored run's steps can be compared.
+            wait_until(lambda: parse_steps(bare.output())[-1][0] >= at + 3, 120, f"{w.name} (by hand) to go on after the checkpoint", 0.05)
+            stage = "restore"
+            secs, started = bare.restore(images, env.cuda)
+            stage = "output after restore"
 
-        def restored_step():  # type: ignore[no-untyped-def]
-            got = next((s for s in parse_steps(bare.readers[-1].text) if s[2] > started), None)
-            if got is None and not bare.running():
-                raise RuntimeError(f"the restored workload exited; its output: {bare.readers[-1].text[-1500:]!r}")
-            return got
+            def restored_step():  # type: ignore[no-untyped-def]
+                got = next((s for s in parse_steps(bare.readers[-1].text) if s[2] > started), None)
+                if got is None and not bare.running():
+                    raise RuntimeError(f"the restored workload exited; its output: {bare.readers[-1].text[-1500:]!r}")
+                return got
 
-        nxt = wait_until(restored_step, after_timeout(r), f"{w.name} (by hand) output after restore; its output: {bare.readers[-1].text[-800:]!r}", 0.05)
-        r["bare_restore_s"] = nxt[2] - started
-        time.sleep(2)
-        same, differ = values.compare(parse_steps(bare.output()))
-        r["bare_continuation"] = {"checkpoint_step": at, "first_step_after_restore": nxt[0], "same": same, "differ": differ}
-        say(f"{w.name}: by hand: checkpoint {r['bare_checkpoint_s']:.2f} s ({gb(r['image_bytes']):.2f} GB), restore to first step {r['bare_restore_s']:.2f} s "
-            f"(commands {secs:.2f} s); step {at} -> {nxt[0]}; {same} steps equal to the run before, {differ} differ")
+            nxt = wait_until(restored_step, after_timeout(r), f"{w.name} (by hand) output after restore; its output: {bare.readers[-1].text[-800:]!r}", 0.05)
+            rss_.append(nxt[2] - started)
+            time.sleep(2)
+            same, differ = values.compare(parse_steps(bare.output()))
+            conts.append({"checkpoint_step": at, "first_step_after_restore": nxt[0], "same": same, "differ": differ})
+            say(f"{w.name}: by hand, round {rnd + 1}: checkpoint {cks[-1]:.2f} s ({gb(r['image_bytes']):.2f} GB), restore to first step {rss_[-1]:.2f} s "
+                f"(commands {secs:.2f} s); step {at} -> {nxt[0]}; {same} steps equal to the runs before, {differ} differ")
+        r["bare_checkpoint_s"], r["bare_restore_s"] = sum(cks) / len(cks), sum(rss_) / len(rss_)
+        r["bare_rounds"] = {"checkpoint_s": cks, "restore_s": rss_}
+        r["bare_continuation"] = {"same": sum(c["same"] for c in conts), "differ": sum(c["differ"] for c in conts), "rounds": conts}
     except Exception as exc:  # recorded; gpusnap's paths are measured all the same
         r["bare_error"] = f"{stage}: {type(exc).__name__}: {exc}"
         say(f"{w.name}: by hand FAILED at {r['bare_error']}; output: {bare.output()[-1500:]}")
@@ -813,8 +819,9 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             rows.append((what, f"{secs:.2f}", f"{gb(rate_bytes) / secs:.2f}" if secs and rate_bytes else "", ratio + (f" (target {target})" if target else ""), verdict(ok) if target else ""))
 
         bare_ck, bare_rs = w.get("bare_checkpoint_s"), w.get("bare_restore_s")
-        row("by hand: checkpoint (leave running)", bare_ck)
-        row("by hand: restore, to first step", bare_rs)
+        n = len(w.get("bare_rounds", {}).get("checkpoint_s", [])) or 1
+        row(f"by hand: checkpoint (leave running){f', mean of {n}' if n > 1 else ''}", bare_ck)
+        row(f"by hand: restore, to first step{f', mean of {n}' if n > 1 else ''}", bare_rs)
         ck1 = w.get("ck1", {})
         t1 = ck1.get("timings_s", {})
         if ck1:
@@ -964,7 +971,7 @@ def main() -> int:
         # Training changes all its state every step: a second checkpoint says nothing new, and its
         # minutes are better spent on the restores within one 10-minute run.
         "train": Workload("train", [wpy, str(workloads / "gpt2_train.py"), "--batch", str(args.train_batch), *tiny], args.gpu, 600, 3, diff=False,
-                          second_checkpoint=args.train_second_checkpoint, rel_tol=1e-5),
+                          second_checkpoint=args.train_second_checkpoint, rel_tol=1e-5, bare_rounds=1),
         "cpu": Workload("cpu", [wpy, str(workloads / "cpu_holder.py"), "--random-mib", str(args.cpu_random_mib), "--zero-mib", str(args.cpu_zero_mib),
                                 "--const-mib", str(args.cpu_const_mib)], False, 300, 5, growth_target=2.0),
     }
