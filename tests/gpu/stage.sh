@@ -47,9 +47,12 @@ if [ "${GS_GPU_CRI:-0}" = 1 ]; then
 fi
 # bench/e2e.py starts a real docker-registry; the GPU machine has none. Debian's binary is Go,
 # linked only against glibc (2.36 here; the GPU machine has 2.39). xz-compressed (21 -> 5 MB):
-# what travels to the GPU machine is limited; run_gpu_suite.sh unpacks it.
-rm -f "$DEST/.gpu-tools/bin/docker-registry"
-xz -9 -c /usr/bin/docker-registry > "$DEST/.gpu-tools/docker-registry.xz"
+# what travels to the GPU machine is limited; run_gpu_suite.sh unpacks it. With GS_GPU_CRI=1
+# the containerd archive above has one already.
+rm -f "$DEST/.gpu-tools/bin/docker-registry" "$DEST/.gpu-tools/docker-registry.xz"
+if [ "${GS_GPU_CRI:-0}" != 1 ]; then
+  xz -9 -c /usr/bin/docker-registry > "$DEST/.gpu-tools/docker-registry.xz"
+fi
 rm -f "$DEST"/.whl/gpusnap-*.whl
 PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python
 # A checkout's own venv has setuptools and wheel; a clean checkout builds in pip's isolated
