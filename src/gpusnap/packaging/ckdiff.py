@@ -22,10 +22,10 @@ temporary directory first). B is compared against A, as a second checkpoint agai
   (what any chunking that ignores CRIU's structure at best achieves), and the whole pages files.
 
 Why the image files are parsed here: see gpusnap.packaging.pstree (no CRIU reader is
-installable; the images are length-prefixed protobuf messages). Fields used, from CRIU's
-images/*.proto: pagemap_head.pages_id=1; pagemap_entry vaddr=1 nr_pages=2 in_parent=3
-flags=4 (PE_PARENT=1, PE_LAZY=2, PE_PRESENT=4); mm_entry.vmas=14; vma_entry start=1 end=2
-pgoff=3 shmid=4 prot=5 flags=6 status=7; file_entry type=1 id=2 reg=3; reg_file_entry name=6.
+installable; the images are length-prefixed protobuf messages); the pagemaps through
+gpusnap.packaging.pagemap. Fields used here, from CRIU's images/*.proto: mm_entry.vmas=14;
+vma_entry start=1 end=2 pgoff=3 shmid=4 prot=5 flags=6 status=7; file_entry type=1 id=2 reg=3;
+reg_file_entry name=6.
 """
 
 from __future__ import annotations
@@ -42,13 +42,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpusnap.packaging.pagemap import parse_pagemap
 from gpusnap.packaging.pstree import IMG_COMMON_MAGIC, ImageFormatError, decode_message, read_entries
 
 PAGE = 4096
-PAGEMAP_MAGIC = 0x56084025
 MM_MAGIC = 0x57492820
 FILES_MAGIC = 0x56303138
-PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 # vma_entry.status bits (criu/include/image.h)
 VMA_STATUS = {1 << 1: "stack", 1 << 2: "vsyscall", 1 << 3: "vdso", 1 << 5: "heap", 1 << 6: "file-private",
               1 << 7: "file-shared", 1 << 8: "anon-shared", 1 << 9: "anon-private", 1 << 10: "sysvipc",
@@ -75,7 +74,6 @@ class PageMap:
     space: str  # whose addresses: "pid 1", "shmem 7"
     pages_file: str
     ranges: list[PageRange]
-    not_here: int = 0  # pages of entries kept in a parent image (not in this pages file)
 
 
 @dataclass(frozen=True)
@@ -158,26 +156,14 @@ def _image(path: Path, magic: int) -> list[dict[int, list[Any]]]:
 
 
 def read_pagemaps(images: Path) -> list[PageMap]:
-    """Every pagemap*.img of ``images`` with the ranges its pages file holds, in file order."""
+    """Every pagemap*.img of ``images`` with the ranges its pages file holds, in file order
+    (read by gpusnap.packaging.pagemap, which the chunker uses too)."""
     out = []
     for path in sorted(images.glob("pagemap-*.img")):
-        entries = _image(path, PAGEMAP_MAGIC)
-        if not entries:
-            continue
-        pages_id = int(entries[0].get(1, [0])[0])
+        pages_id, ranges = parse_pagemap(path.read_bytes())
         stem = path.name[len("pagemap-"):-len(".img")]
         space = f"shmem {stem[len('shmem-'):]}" if stem.startswith("shmem-") else f"pid {stem}"
-        ranges, offset, not_here = [], 0, 0
-        for e in entries[1:]:
-            vaddr, n = int(e.get(1, [0])[0]), int(e.get(2, [0])[0])
-            flags = int(e[4][0]) if 4 in e else (PE_PARENT if e.get(3, [0])[0] else PE_PRESENT)
-            # PE_LAZY only says the pages may be restored lazily: they are in this pages file.
-            if flags & PE_PARENT or not flags & PE_PRESENT:
-                not_here += n
-                continue
-            ranges.append(PageRange(vaddr, n, offset))
-            offset += n * PAGE
-        out.append(PageMap(path.name, space, f"pages-{pages_id}.img", ranges, not_here))
+        out.append(PageMap(path.name, space, f"pages-{pages_id}.img", [PageRange(r.vaddr, r.nr_pages, r.file_offset) for r in ranges]))
     return out
 
 
