@@ -832,8 +832,9 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             if st:
                 row("  of which store", st, f"{gb(size) / st / io_floor:.2f}x min(SHA-256 x cores, disk)", f">= {store_target} GB/s", gb(size) / st >= store_target)
             ps = t1.get("push the checkpoint")
+            sent = ck1.get("registry_bytes") or size
             if ps:
-                row("  of which push", ps, f"{gb(size) / ps / http:.2f}x HTTP upload floor" if http else "")
+                row(f"  of which push ({gb(sent):.2f} GB sent; GB/s of those)", ps, f"{gb(sent) / ps / http:.2f}x HTTP upload floor" if http else "", rate_bytes=sent)
         rl = w.get("restore_local_s")
         if rl:
             row("restore from the local store, to first step", rl, f"{rl / bare_rs:.2f}x by hand" if bare_rs else "")
@@ -843,8 +844,10 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             row("restore from the registry (empty store), to first step", rr, f"{r:.2f}x by hand" if r else "", "<= 1.3x", r is not None and r <= 1.3)
             # What the command spent besides its own restore step: pulling and writing the image.
             pull = w.get("restore_registry_cmd_s", 0) - w.get("restore_registry_timings_s", {}).get("restore", 0)
+            got = ck1.get("registry_bytes") or size  # what the registry holds for it (the 2nd push added little)
             if pull > 0:
-                row("  of which pull (command minus its restore step)", pull, f"{gb(size) / pull / http_down:.2f}x HTTP download floor" if http_down else "")
+                row(f"  of which pull, command minus its restore step (~{gb(got):.2f} GB fetched)", pull,
+                    f"{gb(got) / pull / http_down:.2f}x HTTP download floor" if http_down else "", rate_bytes=got)
         cs = w.get("cold_start_s")
         if cs:
             for label, val in (("local store", rl), ("registry", rr)):
@@ -909,6 +912,7 @@ def main() -> int:
     ap.add_argument("--train-second-checkpoint", action="store_true", help="also a second checkpoint of the training run")
     ap.add_argument("--server-compile", default="reduce-overhead", choices=["reduce-overhead", "default", "none"])
     ap.add_argument("--floor-gib", type=float, default=0, help="bytes for each floor (default 1 GiB CPU, 4 GiB GPU)")
+    ap.add_argument("--report", type=Path, help="print the tables of a saved e2e.json again and exit")
     ap.add_argument("--floor", help=argparse.SUPPRESS)
     ap.add_argument("--floor-args", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -918,6 +922,10 @@ def main() -> int:
         print(json.dumps(fn(**kw)))
         return 0
 
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        print("\n".join(report(saved, bool(saved.get("gpu")))))
+        return 0
     t_begin = time.time()
     deadline = t_begin + args.budget if args.budget else 0
     if os.geteuid() != 0:
