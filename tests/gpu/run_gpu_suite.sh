@@ -14,7 +14,14 @@
 # 540, 0 = none) bounds the whole run: the benchmark skips sizes that would overrun it, so one
 # run fits a 10-minute slot on the GPU machine. On a host with 2 GPUs the suite adds a two-GPU
 # container and a restore onto the other GPU (skipped with one GPU).
-# Exit status: the suite's (pytest), or the benchmark's if the suite passed.
+# GS_GPU_E2E=server,train (or one of them) adds bench/e2e.py --gpu (issue 12: floors, by hand,
+# checkpoint --push, restore from the store and from a local docker-registry, cold start) after
+# the benchmark, within what is left of GS_GPU_BUDGET; GS_GPU_E2E_ONLY=1 runs that alone (no
+# suite, no bench/gpu_checkpoint.py). One workload per run fits 10 minutes: run server, then train.
+# Its stores go to GS_GPU_E2E_WORK (default /var/tmp/gpusnap-e2e, the root filesystem, which its
+# containers see), CRIU images and its registry to /dev/shm (a 20 GB checkpoint dumped, stored,
+# pushed and pulled back does not fit the 64 GB disk otherwise); results in $OUT/e2e/.
+# Exit status: the suite's (pytest), or the benchmark's if the suite passed, or e2e's.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 TOOLS=${GS_GPU_TOOLS:-$REPO/.gpu-tools}
@@ -35,7 +42,13 @@ if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 5
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PATH=$TOOLS/bin:$(dirname "$(command -v python3)"):$SITE/bin:$PATH PYTHONUNBUFFERED=1
+# docker-registry (bench/e2e.py) travels xz-compressed; Python's lzma unpacks it (no xz needed).
+if [ -f "$TOOLS/docker-registry.xz" ] && ! command -v docker-registry >/dev/null; then
+  mkdir -p /tmp/gs-gpu-bin
+  python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$TOOLS/docker-registry.xz" /tmp/gs-gpu-bin/docker-registry \
+    && chmod +x /tmp/gs-gpu-bin/docker-registry
+fi
+export PATH=$TOOLS/bin:$(dirname "$(command -v python3)"):$SITE/bin:/tmp/gs-gpu-bin:$PATH PYTHONUNBUFFERED=1
 export GPUSNAP_GPU_TOOLS=$TOOLS   # the device tests (test_gpu_devices.py) find runc there
 if [ -f "$TOOLS/containerd2.tar.xz" ] && [ ! -x "$TOOLS/containerd2/bin/containerd" ]; then
   tar -C "$TOOLS" -xJf "$TOOLS/containerd2.tar.xz" || exit 5   # GS_GPU_CRI=1 stage.sh packed it
@@ -55,12 +68,26 @@ rm -f "$GS_GPU_REPORT"
 } 2>&1 | tee "$OUT/env.txt"
 
 cd "$REPO"
-python3 -m pytest -p no:cacheprovider -v -rfEs --timeout=400 --junitxml="$OUT/junit.xml" ${GS_GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/suite.log"
-SUITE=${PIPESTATUS[0]}
+SUITE=0 BENCH=0 E2E=0
 DEADLINE=0
 [ "$BUDGET" -gt 0 ] && DEADLINE=$((START + BUDGET))
-python3 bench/gpu_checkpoint.py --sizes "${GS_GPU_BENCH_SIZES:-1,8}" --json "$OUT/bench.json" --deadline "$DEADLINE" 2>&1 | tee "$OUT/bench.log"
-BENCH=${PIPESTATUS[0]}
+if [ "${GS_GPU_E2E_ONLY:-0}" != 1 ]; then
+  python3 -m pytest -p no:cacheprovider -v -rfEs --timeout=400 --junitxml="$OUT/junit.xml" ${GS_GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/suite.log"
+  SUITE=${PIPESTATUS[0]}
+  python3 bench/gpu_checkpoint.py --sizes "${GS_GPU_BENCH_SIZES:-1,8}" --json "$OUT/bench.json" --deadline "$DEADLINE" 2>&1 | tee "$OUT/bench.log"
+  BENCH=${PIPESTATUS[0]}
+fi
+if [ -n "${GS_GPU_E2E:-}" ]; then
+  LEFT=0
+  [ "$BUDGET" -gt 0 ] && LEFT=$((DEADLINE - $(date +%s) - 15))
+  if [ "$BUDGET" -gt 0 ] && [ "$LEFT" -lt 120 ]; then
+    echo "run_gpu_suite: ${LEFT} s left of GS_GPU_BUDGET: bench/e2e.py skipped (run it alone: GS_GPU_E2E_ONLY=1)" | tee "$OUT/e2e.log"
+  else
+    python3 bench/e2e.py --gpu --workloads "$GS_GPU_E2E" --budget "$LEFT" --out "$OUT/e2e" \
+      --work "${GS_GPU_E2E_WORK:-/var/tmp/gpusnap-e2e}" --registry-dir /dev/shm/gpusnap-e2e-registry ${GS_GPU_E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
+    E2E=${PIPESTATUS[0]}
+  fi
+fi
 
 echo
 echo "== GPU suite ($(head -1 "$OUT/env.txt"))"
@@ -83,8 +110,16 @@ if rows:
         rr = " / ".join(str(r.get(k, "")) for k in ("runc_restore_s", "host_to_gpu_s")) if "runc_restore_s" in r else ""
         print(f"| {r['test']} | {r['gib']} | {r.get('checkpoint_s', '')} | {r.get('restore_s', '')} | {br} | {rr} | {r.get('steps_compared', '')} |")
 PY
-echo
-echo "== Benchmark"
-sed -n '/^GPU:/,$p' "$OUT/bench.log"
+if [ -f "$OUT/bench.log" ]; then
+  echo
+  echo "== Benchmark"
+  sed -n '/^GPU:/,$p' "$OUT/bench.log"
+fi
+if [ -f "$OUT/e2e.log" ]; then
+  echo
+  echo "== End to end (bench/e2e.py)"
+  sed -n '/^== floors/,$p' "$OUT/e2e.log"
+fi
 [ "$SUITE" -ne 0 ] && exit "$SUITE"
-exit "$BENCH"
+[ "$BENCH" -ne 0 ] && exit "$BENCH"
+exit "$E2E"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what run_gpu_suite.sh needs on a GPU machine that reaches no registry, into DEST:
-# a copy of the checkout's tests/, bench/ and pyproject.toml, .gpu-tools/ (CRIU 4.1.1 + runc
+# a copy of the checkout's tests/, bench/ and pyproject.toml, .gpu-tools/ (CRIU 4.1.1 + runc, docker-registry
 # from Debian 13 packages, GPU_TOOLS_SCRIPT builds it) and .whl/ (gpusnap's wheel plus the
 # wheels of jsonschema and its dependencies, which the GPU image lacks). Run it on a Debian
 # host with pip; then copy DEST to the GPU machine and run DEST/tests/gpu/run_gpu_suite.sh.
@@ -44,6 +44,14 @@ if [ "${GS_GPU_CRI:-0}" = 1 ]; then
   cp /usr/bin/docker-registry /bin/busybox "$c2/containerd2/extra/"
   tar -C "$c2" -cJf "$DEST/.gpu-tools/containerd2.tar.xz" containerd2
   rm -rf "$c2"
+fi
+# bench/e2e.py starts a real docker-registry; the GPU machine has none. Debian's binary is Go,
+# linked only against glibc (2.36 here; the GPU machine has 2.39). xz-compressed (21 -> 5 MB):
+# what travels to the GPU machine is limited; run_gpu_suite.sh unpacks it. With GS_GPU_CRI=1
+# the containerd archive above has one already.
+rm -f "$DEST/.gpu-tools/bin/docker-registry" "$DEST/.gpu-tools/docker-registry.xz"
+if [ "${GS_GPU_CRI:-0}" != 1 ]; then
+  xz -9 -c /usr/bin/docker-registry > "$DEST/.gpu-tools/docker-registry.xz"
 fi
 rm -f "$DEST"/.whl/gpusnap-*.whl
 PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python

@@ -14,6 +14,7 @@ Auth (optional): htpasswd with a bcrypt hash (what the registry requires), or a 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,7 +24,10 @@ from pathlib import Path
 
 import requests
 
-REGISTRY_BIN = os.environ.get("GPUSNAP_REGISTRY_BIN", "/usr/bin/docker-registry")  # staged elsewhere on the GPU machine
+# GPUSNAP_REGISTRY_BIN, else Debian's, else one on PATH (the GPU machine has none installed:
+# tests/gpu/stage.sh carries it).
+REGISTRY_BIN = os.environ.get("GPUSNAP_REGISTRY_BIN") or (
+    "/usr/bin/docker-registry" if os.path.exists("/usr/bin/docker-registry") else shutil.which("docker-registry") or "docker-registry")
 PKG_PORTS = range(5100, 5150)  # tests/integration/packaging
 CLI_PORTS = range(5200, 5250)  # tests/integration/cli
 REL_PORTS = range(5360, 5400)  # tests/integration/reliability

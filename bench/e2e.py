@@ -1,0 +1,1031 @@
+#!/usr/bin/env python3
+"""End to end: gpusnap's user paths next to the floors and the by-hand checkpoint, in one run.
+
+    sudo .venv/bin/python bench/e2e.py                 CPU containers (this machine)
+    sudo python3 bench/e2e.py --gpu [--workloads server,train]   GPU machine
+
+Floors, measured first in the same run: memcpy, SHA-256 (one core, and all cores at once),
+disk write with fsync (the store's filesystem), loopback HTTP to a real local docker-registry
+(one stream and parallel streams, both ways).
+
+For each workload (CPU: a python process holding random, zero and constant memory; GPU: an
+inference server, GPT-2 large fp32 loaded from safetensors and compiled with torch.compile, and
+GPT-2 124M AdamW training holding ~20 GB):
+
+1. by hand: the workload in a plain runc container, ``runc checkpoint --leave-running`` (on a
+   GPU, around it the CUDA driver's checkpoint API on the container's process: lock,
+   checkpoint, and after the dump restore + unlock), ``runc delete``, ``runc restore`` (+ driver
+   restore, unlock) to the first line the workload prints after it;
+2. the user's paths, all through the ``gpusnap`` CLI: ``gpusnap run NAME --rootfs-overlay /``
+   (cold start: to the first step/token), ``gpusnap checkpoint --leave-running --push`` with an
+   empty store and an empty registry (store and push as its own timings say), a second one 3 s
+   later (what it adds to the registry's disk and to the store, as % of the first),
+   ``gpusnap restore REF`` from the local store, and ``gpusnap restore REMOTE`` with an empty
+   store, each timed to the first line the workload prints after it, with every printed value
+   compared with the other runs' at the same step (the workloads are deterministic);
+3. ``python -m gpusnap.packaging.ckdiff`` between the two checkpoints (what changed, what a
+   page-level dedup would send).
+
+Where the bytes go: gpusnap's CRIU images (GPUSNAP_STATE_DIR, --state-dir) and the by-hand
+images on tmpfs (/dev/shm), the stores on disk (--work; the disk floor is measured there), the
+registry's storage under --work or --registry-dir (tmpfs on the GPU machine, whose 64 GB disk
+cannot hold a 20 GB checkpoint three times).
+
+Every gpusnap command's peak RSS: its own VmHWM (sampled) and the largest of it and the
+children it waited for (wait4). Prints each stage's GB/s, each ratio against its floor or by-hand
+peer, and the issue's targets with PASS/FAIL; writes e2e.json and e2e.log to
+bench/results/<host>-<date>/ (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = REPO / "bench" / "workloads"
+sys.path.insert(0, str(REPO / "tests"))
+
+from stack.registry import Registry  # noqa: E402
+
+E2E_PORTS = range(5460, 5490)  # apart from the suites' ranges (tests/stack/registry.py)
+HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+NVIDIA_DIR = Path("/usr/local/nvidia")
+NVIDIA_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+STEP_RE = re.compile(r"^step (\d+) (\S+) t=([\d.]+)$")
+GIB = 1 << 30
+MIB = 1 << 20
+
+LOG: list[str] = []
+
+
+def say(msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    LOG.append(line)
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+@dataclass
+class Cmd:
+    argv: list[str]
+    rc: int
+    seconds: float
+    start: float  # epoch
+    stdout: str
+    stderr: str
+    rss_own: int  # the process's own VmHWM, sampled every 20 ms
+    rss_tree: int  # wait4's ru_maxrss: the largest of it and the children it waited for
+
+    def json(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.stdout)
+        except ValueError:
+            return {}
+
+    def check(self) -> "Cmd":
+        if self.rc != 0:
+            raise RuntimeError(f"{' '.join(self.argv)} exited {self.rc}: {self.stderr.strip()[-1500:]}")
+        return self
+
+
+def _hwm(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def measure(argv: list[str], env: dict[str, str] | None = None, timeout: float = 900) -> Cmd:
+    """Run ``argv`` to its end: wall time, output, and peak RSS (see :class:`Cmd`)."""
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    start = time.time()
+    t0 = time.perf_counter()
+    # preexec_fn keeps subprocess from using vfork: a vforked child's ru_maxrss starts at the
+    # parent's high-water mark.
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, preexec_fn=lambda: None)
+    peak, rc, rusage = 0, None, None
+    while rc is None:
+        peak = max(peak, _hwm(proc.pid))
+        pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            rc, rusage = os.waitstatus_to_exitcode(status), ru
+            proc.returncode = rc
+            break
+        if time.perf_counter() - t0 > timeout:
+            proc.kill()
+        time.sleep(0.02)
+    secs = time.perf_counter() - t0
+    out.seek(0)
+    err.seek(0)
+    return Cmd(argv, rc, secs, start, out.read().decode(errors="replace"), err.read().decode(errors="replace"), peak,
+               rusage.ru_maxrss * 1024 if rusage else 0)
+
+
+def tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def gb(n: float) -> float:
+    return n / 1e9
+
+
+# -- floors (each in its own process: the parent's memory stays small for wait4's figures) -----------
+
+def floor_memcpy(size: int) -> dict[str, float]:
+    src = bytearray(random.Random(1).randbytes(64 * MIB)) * (size // (64 * MIB))
+    dst = bytearray(len(src))
+    dst[:] = src  # first touch
+    best = min(_timed(lambda: dst.__setitem__(slice(None), src)) for _ in range(3))
+    return {"memcpy_gbps": gb(len(src)) / best}
+
+
+def floor_sha256(size: int) -> dict[str, float]:
+    buf = random.Random(2).randbytes(64 * MIB) * 4
+    reps = max(1, size // len(buf))
+
+    def work() -> None:
+        for _ in range(reps):
+            hashlib.sha256(buf).digest()
+
+    one = _timed(work)
+    cores = os.cpu_count() or 1
+    threads = [threading.Thread(target=work) for _ in range(cores)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    allc = time.perf_counter() - t0
+    per_core = gb(len(buf) * reps) / one
+    return {"sha256_gbps_1core": per_core, "sha256_gbps_x_cores": per_core * cores, "sha256_gbps_all_cores_measured": gb(len(buf) * reps * cores) / allc,
+            "cores": cores}
+
+
+def floor_disk(size: int, directory: str) -> dict[str, float]:
+    block = random.Random(3).randbytes(8 * MIB)
+    path = Path(directory) / f"e2e-floor-{os.getpid()}"
+    t0 = time.perf_counter()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for _ in range(size // len(block)):
+                os.write(fd, block)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        secs = time.perf_counter() - t0
+    finally:
+        path.unlink(missing_ok=True)
+    return {"disk_write_gbps": gb(size) / secs}
+
+
+def floor_http(size: int, host: str, streams: int) -> dict[str, float]:
+    """Blob uploads (monolithic PUT) and downloads against the registry: one stream, then
+    ``streams`` at once, each its own connection; digests computed before the clock starts.
+    Plain http.client, sending and reading 8 MiB / 1 MiB at a time: the least a Python client
+    can cost."""
+
+    block = random.Random(4).randbytes(8 * MIB)
+
+    def blob(i: int, n: int) -> tuple[bytes, str]:
+        head = f"e2e-floor-{i}-{time.time()}".encode().ljust(4096, b"\0")
+        h = hashlib.sha256(head)
+        for _ in range(n):
+            h.update(block)
+        return head, "sha256:" + h.hexdigest()
+
+    import http.client
+    from urllib.parse import urlsplit
+
+    def upload(i: int, n: int, head: bytes, digest: str) -> None:
+        conn = http.client.HTTPConnection(host, timeout=600)
+        conn.request("POST", "/v2/e2e/floor/blobs/uploads/")
+        r = conn.getresponse()
+        r.read()
+        if r.status != 202:
+            raise RuntimeError(f"upload start: HTTP {r.status}")
+        loc = urlsplit(r.getheader("Location", ""))
+        path = loc.path + "?" + (loc.query + "&" if loc.query else "") + f"digest={digest}"
+        conn.putrequest("PUT", path)
+        conn.putheader("Content-Type", "application/octet-stream")
+        conn.putheader("Content-Length", str(len(head) + n * len(block)))
+        conn.endheaders()
+        conn.send(head)
+        for _ in range(n):
+            conn.send(block)
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        if r.status != 201:
+            raise RuntimeError(f"upload: HTTP {r.status}")
+
+    def download(digest: str, expect: int) -> None:
+        conn = http.client.HTTPConnection(host, timeout=600)
+        conn.request("GET", f"/v2/e2e/floor/blobs/{digest}")
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"download: HTTP {r.status}")
+        buf = bytearray(1 * MIB)
+        got = 0
+        while k := r.readinto(buf):
+            got += k
+        conn.close()
+        if got != expect:
+            raise RuntimeError(f"downloaded {got} bytes of {digest}, expected {expect}")
+
+    def run(parallel: int) -> tuple[float, float]:
+        n = max(1, size // len(block) // parallel)
+        blobs = [blob(i, n) for i in range(parallel)]
+        total = parallel * (n * len(block) + 4096)
+
+        def many(fn, args_list):  # type: ignore[no-untyped-def]
+            errors: list[BaseException] = []
+
+            def guarded(*a):  # type: ignore[no-untyped-def]
+                try:
+                    fn(*a)
+                except BaseException as exc:  # noqa: BLE001 - raised in the caller below
+                    errors.append(exc)
+
+            ts = [threading.Thread(target=guarded, args=a) for a in args_list]
+            t0 = time.perf_counter()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            if errors:
+                raise errors[0]
+            return time.perf_counter() - t0
+
+        up = many(upload, [(i, n, h, d) for i, (h, d) in enumerate(blobs)])
+        down = many(download, [(d, n * len(block) + 4096) for _, d in blobs])
+        return gb(total) / up, gb(total) / down
+
+    up1, down1 = run(1)
+    upn, downn = run(streams)
+    return {"http_up_gbps_1": up1, "http_down_gbps_1": down1, f"http_up_gbps_{streams}": upn, f"http_down_gbps_{streams}": downn, "http_streams": streams}
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_floor(name: str, **kw: Any) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--floor", name, "--floor-args", json.dumps(kw)]
+    c = measure(argv, timeout=600)
+    if c.rc != 0:
+        say(f"floor {name} failed: {c.stderr.strip()[-500:]}")
+        return {}
+    res = json.loads(c.stdout.strip().splitlines()[-1])
+    say(f"floor {name}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
+    return res
+
+
+# -- workload output -------------------------------------------------------------------------------
+
+def parse_steps(text: str) -> list[tuple[int, str, float]]:
+    out = []
+    for line in text.splitlines():
+        m = STEP_RE.match(line.strip())
+        if m:
+            out.append((int(m.group(1)), m.group(2), float(m.group(3))))
+    return out
+
+
+@dataclass
+class Values:
+    """step → value over every run of one workload; a restored run must agree with the others."""
+
+    rel_tol: float = 0.0  # numbers within this relative distance count as equal (0: exact text)
+    seen: dict[int, str] = field(default_factory=dict)
+
+    def equal(self, a: str, b: str) -> bool:
+        if a == b:
+            return True
+        if not self.rel_tol:
+            return False
+        try:
+            x, y = float(a), float(b)
+        except ValueError:
+            return False
+        return abs(x - y) <= self.rel_tol * max(abs(x), abs(y))
+
+    def compare(self, steps: list[tuple[int, str, float]]) -> tuple[int, int]:
+        same = differ = 0
+        for n, v, _ in steps:
+            if n in self.seen:
+                if self.equal(self.seen[n], v):
+                    same += 1
+                else:
+                    differ += 1
+            else:
+                self.seen[n] = v
+        return same, differ
+
+
+# -- the by-hand peer --------------------------------------------------------------------------------
+
+class CudaDriver:
+    def __init__(self) -> None:
+        from cuda.bindings import driver as cu
+
+        (err,) = cu.cuInit(0)
+        assert err == cu.CUresult.CUDA_SUCCESS, err
+        self.cu = cu
+
+    def _ok(self, res: Any, what: str) -> None:
+        err = res[0] if isinstance(res, tuple) else res
+        if int(err) != 0:
+            raise RuntimeError(f"{what}: {err}")
+
+    def lock_checkpoint(self, pid: int) -> None:
+        args = self.cu.CUcheckpointLockArgs()
+        args.timeoutMs = 10_000
+        self._ok(self.cu.cuCheckpointProcessLock(pid, args), "cuCheckpointProcessLock")
+        self._ok(self.cu.cuCheckpointProcessCheckpoint(pid, None), "cuCheckpointProcessCheckpoint")
+
+    def restore_unlock(self, pid: int) -> None:
+        self._ok(self.cu.cuCheckpointProcessRestore(pid, None), "cuCheckpointProcessRestore")
+        self._ok(self.cu.cuCheckpointProcessUnlock(pid, None), "cuCheckpointProcessUnlock")
+
+
+class Reader:
+    """Collects a container's stdout (a pipe) line by line in a thread."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.text = ""
+        self.lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            with self.lock:
+                self.text += data.decode(errors="replace")
+
+
+class BareContainer:
+    """The workload in a plain runc container (overlay of / like gpusnap's), by-hand steps."""
+
+    def __init__(self, work: Path, argv: list[str], gpu: bool, runc: str) -> None:
+        self.dir = work / "bare"
+        self.name = f"e2e-bare-{os.getpid()}"
+        self.argv, self.gpu, self.runc = argv, gpu, runc
+        self.root = self.dir / "runc-root"
+        self.bundle = self.dir / "bundle"
+        self.readers: list[Reader] = []
+        self.fds: list[int] = []
+        self.mounted = False
+
+    def _runc(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([self.runc, "--root", str(self.root), *args], capture_output=True, text=True, timeout=900, **kw)
+
+    def _pipes(self) -> dict[str, int]:
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        self.fds += [in_r, in_w, out_r, out_w]
+        self.readers.append(Reader(out_r))
+        return {"stdin": in_r, "stdout": out_w, "stderr": out_w}
+
+    def start(self) -> None:
+        rootfs = self.bundle / "rootfs"
+        for d in (rootfs, self.root, self.dir / "upper", self.dir / "ovl-work"):
+            d.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir=/,upperdir={self.dir / 'upper'},workdir={self.dir / 'ovl-work'}", str(rootfs)], check=True)
+        self.mounted = True
+        subprocess.run([self.runc, "spec"], cwd=self.bundle, check=True)
+        spec = json.loads((self.bundle / "config.json").read_text())
+        env = [f"PATH={os.path.dirname(self.argv[0])}:{HOST_PATH}", "HOME=/root", "PYTHONUNBUFFERED=1", "HF_HUB_OFFLINE=1", "HF_HUB_DISABLE_PROGRESS_BARS=1", "TRANSFORMERS_VERBOSITY=error"]
+        spec["process"].update(terminal=False, args=self.argv, env=env, cwd="/")
+        spec["root"] = {"path": "rootfs", "readonly": False}
+        # No network namespace: CRIU then needs no network lock (the GPU machine has no iptables).
+        spec["linux"]["namespaces"] = [n for n in spec["linux"]["namespaces"] if n["type"] != "network"]
+        if self.gpu:
+            env.append(f"LD_LIBRARY_PATH={NVIDIA_DIR / 'lib64'}")
+            if NVIDIA_DIR.is_dir():
+                spec["mounts"].append({"destination": str(NVIDIA_DIR), "source": str(NVIDIA_DIR), "type": "bind", "options": ["rbind", "ro"]})
+            for node in [*NVIDIA_CONTROL_NODES, *sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))]:
+                if not os.path.exists(node):
+                    continue
+                st = os.stat(node)
+                major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+                spec["linux"].setdefault("devices", []).append({"path": node, "type": "c", "major": major, "minor": minor, "fileMode": 0o666, "uid": 0, "gid": 0})
+                spec["linux"].setdefault("resources", {}).setdefault("devices", []).append({"allow": True, "type": "c", "major": major, "minor": minor, "access": "rwm"})
+        conf = self.dir / "criu.conf"
+        conf.write_text("link-remap\n")  # what gpusnap's runtime gives its containers, by hand
+        spec.setdefault("annotations", {})["org.criu.config"] = str(conf)
+        (self.bundle / "config.json").write_text(json.dumps(spec, indent=1))
+        subprocess.run([self.runc, "--root", str(self.root), "run", "-d", "--bundle", str(self.bundle), self.name], check=True, timeout=300, **self._pipes())
+
+    def output(self) -> str:
+        return "".join(r.text for r in self.readers)
+
+    def pid(self) -> int:
+        st = json.loads(self._runc("state", self.name).stdout)
+        return int(st["pid"])
+
+    def running(self) -> bool:
+        p = self._runc("state", self.name)
+        return p.returncode == 0 and json.loads(p.stdout).get("status") == "running"
+
+    def checkpoint(self, images: Path, cuda: CudaDriver | None) -> float:
+        """Leave-running checkpoint, as ``gpusnap checkpoint --leave-running`` does it."""
+        pid = self.pid()
+        t0 = time.perf_counter()
+        if cuda:
+            cuda.lock_checkpoint(pid)
+        p = self._runc("checkpoint", "--leave-running", "--image-path", str(images), "--work-path", str(self.dir / "criu-work"), self.name)
+        if cuda:
+            cuda.restore_unlock(pid)
+        secs = time.perf_counter() - t0
+        if p.returncode:
+            raise RuntimeError(f"runc checkpoint: {p.stderr.strip()[-1500:]}")
+        return secs
+
+    def restore(self, images: Path, cuda: CudaDriver | None) -> tuple[float, float]:
+        """runc restore (+ driver restore, unlock); (seconds of the commands, epoch started)."""
+        self._runc("delete", "--force", self.name)
+        start = time.time()
+        t0 = time.perf_counter()
+        p = subprocess.run([self.runc, "--root", str(self.root), "restore", "-d", "--bundle", str(self.bundle), "--image-path", str(images),
+                            "--work-path", str(self.dir / "criu-work-r"), self.name], timeout=900, **self._pipes())
+        if p.returncode:
+            raise RuntimeError(f"runc restore exited {p.returncode}: {self.output()[-1500:]}")
+        if cuda:
+            cuda.restore_unlock(self.pid())
+        return time.perf_counter() - t0, start
+
+    def cleanup(self) -> None:
+        self._runc("delete", "--force", self.name)
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.bundle / "rootfs")], check=False)
+            self.mounted = False
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def wait_until(pred, timeout: float, what: str, interval: float = 0.2):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        res = pred()
+        if res:
+            return res
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+# -- one workload ------------------------------------------------------------------------------------
+
+@dataclass
+class Workload:
+    name: str
+    argv: list[str]
+    gpu: bool
+    ready_timeout: float
+    warm_steps: int  # steps to wait for before the first checkpoint
+    diff: bool = True  # run ckdiff between the two checkpoints
+    second_checkpoint: bool = True
+    bare_rounds: int = 2  # by-hand cycles; the figure is their mean
+    # Training's losses may differ in the last digits between runs where a kernel has no
+    # deterministic variant (use_deterministic_algorithms warns only); a restore that went
+    # wrong is off by far more (every step draws other data).
+    rel_tol: float = 0.0
+    growth_target: float | None = None  # second checkpoint, % of the first push's registry bytes
+    cold_start_target: float | None = None  # cold start / restore
+
+
+@dataclass
+class Env:
+    args: argparse.Namespace
+    work: Path
+    gpusnap: list[str]
+    runc: str
+    registry: Registry
+    cuda: CudaDriver | None
+    deadline: float
+    results: dict[str, Any]
+
+    def cli_env(self, store: Path) -> dict[str, str]:
+        return {**os.environ, "GPUSNAP_STORE": str(store), "GPUSNAP_RUN_DIR": str(self.work / "run"),
+                "GPUSNAP_STATE_DIR": str(self.args.state_dir), "GPUSNAP_CONFIG": "/nonexistent/gpusnap.toml"}
+
+    def left(self) -> float:
+        return self.deadline - time.time() if self.deadline else 1e9
+
+
+def rss_row(what: str, c: Cmd) -> dict[str, Any]:
+    return {"command": what, "seconds": round(c.seconds, 3), "rss_own_mib": round(c.rss_own / MIB, 1), "rss_tree_mib": round(c.rss_tree / MIB, 1)}
+
+
+def last_steps(env: Env, name: str, store: Path) -> list[tuple[int, str, float]]:
+    c = measure([*env.gpusnap, "logs", name], env=env.cli_env(store), timeout=120)
+    return parse_steps(c.stdout) if c.rc == 0 else []
+
+
+def container_status(env: Env, name: str, store: Path) -> str:
+    c = measure([*env.gpusnap, "ps", "--json"], env=env.cli_env(store), timeout=120)
+    try:
+        return next((str(x.get("status")) for x in json.loads(c.stdout) if x.get("name") == name), "gone")
+    except ValueError:
+        return "unknown"
+
+
+def first_step_after(env: Env, name: str, store: Path, since: float, timeout: float) -> tuple[int, str, float]:
+    polls = [0]
+
+    def probe():  # type: ignore[no-untyped-def]
+        later = [s for s in last_steps(env, name, store) if s[2] > since]
+        if later:
+            return later[0]
+        polls[0] += 1
+        if polls[0] % 5 == 0 and container_status(env, name, store) not in ("running", "unknown"):
+            logs = measure([*env.gpusnap, "logs", name, "--tail", "15"], env=env.cli_env(store), timeout=60)
+            raise RuntimeError(f"{name} is not running after restore; its last output: {logs.stdout[-1500:]!r}")
+        return None
+
+    return wait_until(probe, timeout, f"{name} to print a step after {since:.3f}", interval=0.3)
+
+
+def run_workload(env: Env, w: Workload) -> dict[str, Any]:
+    r: dict[str, Any] = {"workload": w.name, "argv": w.argv, "rss": [], "skipped": [], "growth_target": w.growth_target,
+                         "cold_start_target": w.cold_start_target, "rel_tol": w.rel_tol}
+    values = Values(w.rel_tol)
+    work = env.work / w.name
+    work.mkdir(parents=True, exist_ok=True)
+    store_b, store_c = work / "store-b", work / "store-c"
+    images = env.args.state_dir / "bare-images"  # where gpusnap's own CRIU dumps go (its state dir's tmp/)
+    name = f"e2e-{w.name}"
+    remote = f"{env.registry.host}/e2e/{w.name}"
+    reg_data = env.registry.root / "data"
+
+    # 1. by hand
+    bare = BareContainer(work, w.argv, w.gpu, env.runc)
+    stage = "start"
+    try:
+        say(f"{w.name}: by hand: starting a runc container")
+        t_start = time.time()
+        bare.start()
+        wait_until(lambda: len(parse_steps(bare.output())) >= w.warm_steps, w.ready_timeout, f"{w.name} (by hand) to reach step {w.warm_steps}", 0.1)
+        first = parse_steps(bare.output())[0]
+        r["bare_cold_start_s"] = first[2] - t_start
+        r["ready_line"] = next((l for l in bare.output().splitlines() if l.startswith("ready")), "")
+        say(f"{w.name}: by hand: first step {first[2] - t_start:.1f} s after start; {r['ready_line']}")
+        if w.gpu:
+            r["gpu_memory_gb"] = gpu_memory_gb(bare.pid())
+        cks, rss_, conts = [], [], []
+        for rnd in range(w.bare_rounds):  # a second round (on the restored container) evens out noise
+            stage = "checkpoint"
+            shutil.rmtree(images, ignore_errors=True)
+            cks.append(bare.checkpoint(images, env.cuda))
+            r["image_bytes"] = tree_bytes(images)
+            at = parse_steps(bare.output())[-1][0]
+            # A few steps past the checkpoint, so that the restored run's steps can be compared.
+            wait_until(lambda: parse_steps(bare.output())[-1][0] >= at + 3, 120, f"{w.name} (by hand) to go on after the checkpoint", 0.05)
+            stage = "restore"
+            secs, started = bare.restore(images, env.cuda)
+            stage = "output after restore"
+
+            def restored_step():  # type: ignore[no-untyped-def]
+                got = next((s for s in parse_steps(bare.readers[-1].text) if s[2] > started), None)
+                if got is None and not bare.running():
+                    raise RuntimeError(f"the restored workload exited; its output: {bare.readers[-1].text[-1500:]!r}")
+                return got
+
+            nxt = wait_until(restored_step, after_timeout(r), f"{w.name} (by hand) output after restore; its output: {bare.readers[-1].text[-800:]!r}", 0.05)
+            rss_.append(nxt[2] - started)
+            time.sleep(2)
+            same, differ = values.compare(parse_steps(bare.output()))
+            conts.append({"checkpoint_step": at, "first_step_after_restore": nxt[0], "same": same, "differ": differ})
+            say(f"{w.name}: by hand, round {rnd + 1}: checkpoint {cks[-1]:.2f} s ({gb(r['image_bytes']):.2f} GB), restore to first step {rss_[-1]:.2f} s "
+                f"(commands {secs:.2f} s); step {at} -> {nxt[0]}; {same} steps equal to the runs before, {differ} differ")
+        r["bare_checkpoint_s"], r["bare_restore_s"] = sum(cks) / len(cks), sum(rss_) / len(rss_)
+        r["bare_rounds"] = {"checkpoint_s": cks, "restore_s": rss_}
+        r["bare_continuation"] = {"same": sum(c["same"] for c in conts), "differ": sum(c["differ"] for c in conts), "rounds": conts}
+    except Exception as exc:  # recorded; gpusnap's paths are measured all the same
+        r["bare_error"] = f"{stage}: {type(exc).__name__}: {exc}"
+        say(f"{w.name}: by hand FAILED at {r['bare_error']}; output: {bare.output()[-1500:]}")
+    finally:
+        bare.cleanup()
+        shutil.rmtree(images, ignore_errors=True)
+    argv = w.argv
+    if "bare_error" in r and stage in ("checkpoint", "restore", "output after restore") and "cudagraphs=on" in r.get("ready_line", "") and "--compile" in argv:
+        # CUDA graphs did not come back from the driver's checkpoint: measure gpusnap's paths
+        # on the same server compiled without them (what a user would do), and say so.
+        argv = [*argv[:argv.index("--compile") + 1], "default", *argv[argv.index("--compile") + 2:]]
+        r["cuda_graphs_fallback"] = f"by-hand {stage} failed with CUDA graphs on: gpusnap paths measured with --compile default"
+        say(f"{w.name}: {r['cuda_graphs_fallback']}")
+
+    # 2. the user's paths
+    e_b = env.cli_env(store_b)
+    run_argv = [*env.gpusnap, "run", name, "--rootfs-overlay", "/", "--env", "PYTHONUNBUFFERED=1", "--env", "HF_HUB_OFFLINE=1",
+                "--env", "HF_HUB_DISABLE_PROGRESS_BARS=1", "--env", "TRANSFORMERS_VERBOSITY=error", "--env", "HOME=/root", "--env", f"PATH={os.path.dirname(w.argv[0])}:{HOST_PATH}"]
+    if w.gpu:
+        run_argv += ["--env", "NVIDIA_VISIBLE_DEVICES=all"]
+    try:
+        say(f"{w.name}: gpusnap run")
+        c = measure([*run_argv, "--", *argv], env=e_b)
+        r["rss"].append(rss_row("run", c))
+        c.check()
+        wait_until(lambda: len(last_steps(env, name, store_b)) >= w.warm_steps, w.ready_timeout, f"{name} to reach step {w.warm_steps}", 1.0)
+        steps = last_steps(env, name, store_b)
+        r["cold_start_s"] = steps[0][2] - c.start
+        say(f"{w.name}: cold start (gpusnap run to the first step) {r['cold_start_s']:.1f} s")
+
+        r.setdefault("image_bytes", 0)
+        need(env, 30 + 8 * gb(r["image_bytes"]), "the checkpoints")
+        reg0 = tree_bytes(reg_data)
+        say(f"{w.name}: gpusnap checkpoint --leave-running --push {remote}:1 (empty store, empty repository)")
+        c1 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{remote}:1", "--insecure", "--json"], env=e_b)
+        r["rss"].append(rss_row("checkpoint --push (1st)", c1))
+        c1.check()
+        reg1, st1 = tree_bytes(reg_data), tree_bytes(store_b)
+        j1 = c1.json()
+        r["image_bytes"] = r["image_bytes"] or int(j1.get("size") or 0)
+        r["ck1"] = {"seconds": c1.seconds, "timings_s": j1.get("timings_s", {}), "size": j1.get("size"), "ref": j1.get("ref"),
+                    "registry_bytes": reg1 - reg0, "store_bytes": st1}
+        say(f"{w.name}: checkpoint --push {c1.seconds:.2f} s {j1.get('timings_s')}; registry +{gb(reg1 - reg0):.2f} GB, store {gb(st1):.2f} GB")
+        last_ref, last_remote, j2 = j1.get("ref"), f"{remote}:1", {}
+        if w.second_checkpoint:
+            time.sleep(3)
+            need(env, 30 + 8 * gb(r["image_bytes"]) + 30 + 5 * gb(r["image_bytes"]), "the second checkpoint (and then a restore)")
+            say(f"{w.name}: second checkpoint --leave-running --push {remote}:2")
+            c2 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{remote}:2", "--insecure", "--json"], env=e_b)
+            r["rss"].append(rss_row("checkpoint --push (2nd)", c2))
+            c2.check()
+            reg2, st2 = tree_bytes(reg_data), tree_bytes(store_b)
+            j2 = c2.json()
+            r["ck2"] = {"seconds": c2.seconds, "timings_s": j2.get("timings_s", {}), "size": j2.get("size"), "ref": j2.get("ref"),
+                        "registry_bytes": reg2 - reg1, "store_bytes": st2 - st1}
+            say(f"{w.name}: 2nd checkpoint --push {c2.seconds:.2f} s {j2.get('timings_s')}; registry +{gb(reg2 - reg1):.3f} GB "
+                f"({(reg2 - reg1) / max(reg1 - reg0, 1):.1%} of the first), store +{gb(st2 - st1):.3f} GB")
+            last_ref, last_remote = j2.get("ref"), f"{remote}:2"
+        else:
+            r["skipped"].append("second checkpoint (not asked for this workload)")
+        wait_until(lambda: len(last_steps(env, name, store_b)) > len(steps) + 3, 300, "steps after the last checkpoint", 1.0)
+        values.compare(last_steps(env, name, store_b))
+        measure([*env.gpusnap, "delete", name], env=e_b).check()
+
+        if w.diff and j1.get("ref") and j2.get("ref"):
+            if env.left() > 60 + 15 * gb(r["image_bytes"]):
+                say(f"{w.name}: ckdiff first vs second checkpoint")
+                d = measure([sys.executable, "-m", "gpusnap.packaging.ckdiff", "--store", str(store_b), "--tmp", str(work), "--top", "12",
+                             "--json", str(env.args.out / f"ckdiff-{w.name}.json"), j1["ref"], j2["ref"]], env=e_b, timeout=900)
+                (env.args.out / f"ckdiff-{w.name}.txt").write_text(d.stdout + d.stderr)
+                say(f"{w.name}: ckdiff ({d.seconds:.1f} s, rc {d.rc}):\n" + "\n".join(
+                    l for l in d.stdout.splitlines() if l.startswith(("pages of B", "  whole", "  fixed", "  ideal"))))
+                r["ckdiff_s"] = d.seconds
+            else:
+                r["skipped"].append("ckdiff (time)")
+
+        # restore from the local store (time for it and the registry's)
+        if env.left() > 60 + 10 * gb(r["image_bytes"]):
+            say(f"{w.name}: gpusnap restore {last_ref} (local store)")
+            c3 = measure([*env.gpusnap, "restore", str(last_ref), "--json"], env=e_b)
+            r["rss"].append(rss_row("restore (local store)", c3))
+            c3.check()
+            nxt = first_step_after(env, name, store_b, c3.start, after_timeout(r))
+            r["restore_local_s"] = nxt[2] - c3.start
+            r["restore_local_cmd_s"] = c3.seconds
+            r["restore_local_timings_s"] = c3.json().get("timings_s", {})
+            time.sleep(2)
+            after = [s for s in last_steps(env, name, store_b) if s[2] > c3.start]
+            same, differ = values.compare(after)
+            r["restore_local_continuation"] = {"first_step": nxt[0], "same": same, "differ": differ}
+            say(f"{w.name}: restore (local) to first step {r['restore_local_s']:.2f} s (command {c3.seconds:.2f} s); "
+                f"step {nxt[0]}; {same} steps equal to other runs', {differ} differ")
+            measure([*env.gpusnap, "delete", name], env=e_b).check()
+        else:
+            r["skipped"].append("restore from the local store (time)")
+        shutil.rmtree(store_b, ignore_errors=True)
+
+        # restore from the registry, nothing in the local store
+        need(env, 30 + 5 * gb(r["image_bytes"]), "the restore from the registry")
+        e_c = env.cli_env(store_c)
+        say(f"{w.name}: gpusnap restore {last_remote} (empty local store)")
+        c4 = measure([*env.gpusnap, "restore", last_remote, "--insecure", "--json"], env=e_c)
+        r["rss"].append(rss_row("restore (registry)", c4))
+        c4.check()
+        nxt = first_step_after(env, name, store_c, c4.start, after_timeout(r))
+        r["restore_registry_s"] = nxt[2] - c4.start
+        r["restore_registry_cmd_s"] = c4.seconds
+        r["restore_registry_timings_s"] = c4.json().get("timings_s", {})
+        time.sleep(2)
+        after = [s for s in last_steps(env, name, store_c) if s[2] > c4.start]
+        same, differ = values.compare(after)
+        r["restore_registry_continuation"] = {"first_step": nxt[0], "same": same, "differ": differ}
+        say(f"{w.name}: restore (registry) to first step {r['restore_registry_s']:.2f} s (command {c4.seconds:.2f} s) "
+            f"{r['restore_registry_timings_s']}; step {nxt[0]}; {same} steps equal to other runs', {differ} differ")
+        measure([*env.gpusnap, "delete", name], env=e_c).check()
+    except Exception as exc:  # record, clean up, go on with the next workload
+        r["error"] = f"{type(exc).__name__}: {exc}"
+        say(f"{w.name}: FAILED: {r['error']}")
+        for store in (store_b, store_c):
+            logs = measure([*env.gpusnap, "logs", name], env=env.cli_env(store), timeout=60)
+            if logs.rc == 0:
+                (env.args.out / f"{w.name}-container.log").write_text(logs.stdout)
+            measure([*env.gpusnap, "delete", name], env=env.cli_env(store), timeout=120)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return r
+
+
+def after_timeout(r: dict[str, Any]) -> float:
+    """How long a restored workload may take to print its next step: a workload that died on
+    restore (CUDA graphs the driver did not bring back, say) must not eat the whole budget."""
+    return 120 + 10 * gb(r.get("image_bytes") or 0)
+
+
+class OutOfTime(Exception):
+    pass
+
+
+def need(env: Env, seconds: float, what: str) -> None:
+    if env.left() < seconds:
+        raise OutOfTime(f"{what} skipped: {env.left():.0f} s left of the budget, about {seconds:.0f} s needed")
+
+
+def gpu_memory_gb(pid: int) -> float:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    total = 0
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[1].isdigit():
+            total += int(parts[1])  # the container's PID namespace hides its PIDs from nvidia-smi here: all of them
+    return total * MIB / 1e9
+
+
+# -- report ---------------------------------------------------------------------------------------------
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def report(res: dict[str, Any], gpu: bool) -> list[str]:
+    f = res["floors"]
+    lines = ["", f"== floors ({res['host']}, {f.get('cores', os.cpu_count())} cores)", "| floor | GB/s |", "|---|---:|"]
+    for k, v in f.items():
+        if k.endswith("gbps") or "_gbps_" in k:
+            lines.append(f"| {k.replace('_gbps', '').replace('_', ' ')} | {v:.2f} |")
+    store_target = 2.0 if gpu else 0.8
+    io_floor = min(f.get("sha256_gbps_x_cores", 1e9), f.get("disk_write_gbps", 1e9))
+    http = max((v for k, v in f.items() if k.startswith("http_up_gbps")), default=0)
+    http_down = max((v for k, v in f.items() if k.startswith("http_down_gbps")), default=0)
+    for w in res["workloads"]:
+        size = w.get("image_bytes", 0)
+        rows: list[tuple[str, str, str, str, str]] = []
+
+        def row(what: str, secs: float | None, ratio: str = "", target: str = "", ok: bool | None = None, rate_bytes: int = size) -> None:
+            if secs is None:
+                return
+            rows.append((what, f"{secs:.2f}", f"{gb(rate_bytes) / secs:.2f}" if secs and rate_bytes else "", ratio + (f" (target {target})" if target else ""), verdict(ok) if target else ""))
+
+        bare_ck, bare_rs = w.get("bare_checkpoint_s"), w.get("bare_restore_s")
+        n = len(w.get("bare_rounds", {}).get("checkpoint_s", [])) or 1
+        row(f"by hand: checkpoint (leave running){f', mean of {n}' if n > 1 else ''}", bare_ck)
+        row(f"by hand: restore, to first step{f', mean of {n}' if n > 1 else ''}", bare_rs)
+        ck1 = w.get("ck1", {})
+        t1 = ck1.get("timings_s", {})
+        if ck1:
+            r = ck1["seconds"] / bare_ck if bare_ck else None
+            row("checkpoint --push, end to end", ck1["seconds"], f"{r:.2f}x by hand" if r else "", "<= 1.3x", r is not None and r <= 1.3)
+            row("  of which checkpoint (CRIU + GPU)", t1.get("checkpoint"), f"{t1['checkpoint'] / bare_ck:.2f}x by hand" if bare_ck and t1.get("checkpoint") else "")
+            st = t1.get("store the checkpoint")
+            if st:
+                row("  of which store", st, f"{gb(size) / st / io_floor:.2f}x min(SHA-256 x cores, disk)", f">= {store_target} GB/s", gb(size) / st >= store_target)
+            ps = t1.get("push the checkpoint")
+            sent = ck1.get("registry_bytes") or size
+            if ps:
+                row(f"  of which push ({gb(sent):.2f} GB sent; GB/s of those)", ps, f"{gb(sent) / ps / http:.2f}x HTTP upload floor" if http else "", rate_bytes=sent)
+        rl = w.get("restore_local_s")
+        if rl:
+            row("restore from the local store, to first step", rl, f"{rl / bare_rs:.2f}x by hand" if bare_rs else "")
+        rr = w.get("restore_registry_s")
+        if rr:
+            r = rr / bare_rs if bare_rs else None
+            row("restore from the registry (empty store), to first step", rr, f"{r:.2f}x by hand" if r else "", "<= 1.3x", r is not None and r <= 1.3)
+            # What the command spent besides its own restore step: pulling and writing the image.
+            pull = w.get("restore_registry_cmd_s", 0) - w.get("restore_registry_timings_s", {}).get("restore", 0)
+            got = ck1.get("registry_bytes") or size  # what the registry holds for it (the 2nd push added little)
+            if pull > 0:
+                row(f"  of which pull, command minus its restore step (~{gb(got):.2f} GB fetched)", pull,
+                    f"{gb(got) / pull / http_down:.2f}x HTTP download floor" if http_down else "", rate_bytes=got)
+        cs = w.get("cold_start_s")
+        if cs:
+            for label, val in (("local store", rl), ("registry", rr)):
+                if val:
+                    ratio = cs / val
+                    target = w.get("cold_start_target")
+                    rows.append((f"cold start / restore from the {label}", f"{cs:.2f} / {val:.2f}", "", f"{ratio:.1f}x" + (f" (target >= {target:g}x)" if target else ""),
+                                 verdict(ratio >= target) if target else ""))
+        ck2 = w.get("ck2")
+        if ck2 and ck1.get("registry_bytes"):
+            pct = 100 * ck2["registry_bytes"] / ck1["registry_bytes"]
+            target = w.get("growth_target")
+            rows.append(("2nd checkpoint: registry growth, % of the 1st push", f"{ck2['seconds']:.2f}", "", f"{pct:.2f} % ({gb(ck2['registry_bytes']):.3f} GB)" + (f" (target <= {target:g} %)" if target else ""),
+                         verdict(pct <= target) if target else ""))
+            spct = 100 * ck2["store_bytes"] / max(ck1["store_bytes"], 1)
+            rows.append(("2nd checkpoint: store growth, % of the 1st", "", "", f"{spct:.2f} % ({gb(ck2['store_bytes']):.3f} GB)", ""))
+        peak = max((x["rss_own_mib"] for x in w["rss"]), default=0)
+        peak_tree = max((x["rss_tree_mib"] for x in w["rss"]), default=0)
+        if w["rss"]:
+            rows.append(("peak RSS of a gpusnap command (own / with children)", "", "", f"{peak:.0f} / {peak_tree:.0f} MiB (target <= 512)", verdict(peak <= 512)))
+        for key in ("bare_continuation", "restore_local_continuation", "restore_registry_continuation"):
+            if key in w:
+                c = w[key]
+                rows.append((f"continuation: {key.replace('_continuation', '').replace('_', ' ')}", "", "", f"{c['same']} steps equal, {c['differ']} differ" + (f" (numbers within {w['rel_tol']:g} relative)" if w.get("rel_tol") else ""), verdict(c["differ"] == 0 and c["same"] > 0)))
+        lines += ["", f"== {w['workload']}: image {gb(size):.2f} GB" + (f", GPU memory {w['gpu_memory_gb']:.1f} GB" if w.get("gpu_memory_gb") else "")
+                  + (f"; {w['ready_line']}" if w.get("ready_line") else ""),
+                  "| stage | s | GB/s | ratio | target |", "|---|---:|---:|---|---|"]
+        lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+        if "cudagraphs=on" in w.get("ready_line", ""):
+            def survived(key: str) -> str:
+                c = w.get(key)
+                return "not run" if c is None else ("yes (same tokens after restore)" if c["same"] and not c["differ"] else "no")
+
+            lines.append(f"CUDA graphs (torch.compile reduce-overhead) after checkpoint/restore: by hand {survived('bare_continuation')}, "
+                         f"gpusnap from the store {survived('restore_local_continuation')}, from the registry {survived('restore_registry_continuation')}"
+                         + (f"; {w['cuda_graphs_fallback']}" if w.get("cuda_graphs_fallback") else ""))
+        if w.get("bare_error"):
+            lines.append(f"by hand FAILED: {w['bare_error'][:600]}")
+        if w.get("skipped"):
+            lines.append(f"skipped: {', '.join(w['skipped'])}")
+        if w.get("error"):
+            lines.append(f"ERROR: {w['error']}")
+        lines.append("gpusnap commands (s, peak RSS own/tree MiB): " + "; ".join(f"{x['command']} {x['seconds']:.1f} s {x['rss_own_mib']:.0f}/{x['rss_tree_mib']:.0f}" for x in w["rss"]))
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", action="store_true", help="GPU workloads (inference server, training) on a GPU machine")
+    ap.add_argument("--workloads", help="comma-separated, of cpu, server, train (default: cpu; with --gpu: server,train)")
+    ap.add_argument("--work", type=Path, default=Path("/var/tmp/gpusnap-e2e"), help="the stores (the disk-write floor is measured here), workload copies, weights")
+    ap.add_argument("--registry-dir", type=Path, help="the registry's storage (default: under --work)")
+    ap.add_argument("--state-dir", type=Path, default=Path("/dev/shm/gpusnap-e2e-state"),
+                    help="GPUSNAP_STATE_DIR: where gpusnap (and the by-hand steps) write CRIU images before storing them / after pulling them")
+    ap.add_argument("--out", type=Path, help="results directory (default bench/results/<host>-<date>)")
+    ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run; optional stages are skipped past it (0: none)")
+    ap.add_argument("--cpu-random-mib", type=int, default=1024)
+    ap.add_argument("--cpu-zero-mib", type=int, default=256)
+    ap.add_argument("--cpu-const-mib", type=int, default=256)
+    ap.add_argument("--workload-python", help="interpreter of the workloads (default: this one); it needs torch and transformers for server/train")
+    ap.add_argument("--train-batch", type=int, default=16)
+    ap.add_argument("--train-second-checkpoint", action="store_true", help="also a second checkpoint of the training run")
+    ap.add_argument("--server-compile", default="reduce-overhead", choices=["reduce-overhead", "default", "none"])
+    ap.add_argument("--floor-gib", type=float, default=0, help="bytes for each floor (default 1 GiB CPU, 4 GiB GPU)")
+    ap.add_argument("--report", type=Path, help="print the tables of a saved e2e.json again and exit")
+    ap.add_argument("--floor", help=argparse.SUPPRESS)
+    ap.add_argument("--floor-args", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.floor:
+        kw = json.loads(args.floor_args or "{}")
+        fn = {"memcpy": floor_memcpy, "sha256": floor_sha256, "disk": floor_disk, "http": floor_http}[args.floor]
+        print(json.dumps(fn(**kw)))
+        return 0
+
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        print("\n".join(report(saved, bool(saved.get("gpu")))))
+        return 0
+    t_begin = time.time()
+    deadline = t_begin + args.budget if args.budget else 0
+    if os.geteuid() != 0:
+        print("e2e: run as root (it starts containers)", file=sys.stderr)
+        return 2
+    host = socket.gethostname().split(".")[0]
+    args.out = args.out or REPO / "bench" / "results" / f"{'gpu' if args.gpu else 'cpu'}-e2e-{host}-{time.strftime('%Y-%m-%d-%H%M')}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpusnap = shutil.which("gpusnap") or str(Path(sys.executable).parent / "gpusnap")
+    runc = shutil.which("runc")
+    if not runc or not shutil.which("criu"):
+        print("e2e: runc and criu must be on PATH", file=sys.stderr)
+        return 2
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    shutil.rmtree(args.state_dir, ignore_errors=True)
+    # Containers run on an overlay of /: the workload scripts (and weights) must be on the root
+    # filesystem, so they are copied into --work, which must be there too.
+    if os.stat(args.work).st_dev != os.stat("/").st_dev:
+        print(f"e2e: --work {args.work} is not on the root filesystem, which the containers see; pick a directory there", file=sys.stderr)
+        return 2
+    workloads = args.work / "workloads"
+    shutil.copytree(WORKLOADS, workloads)
+    reg_root = args.registry_dir or args.work / "registry"
+    shutil.rmtree(reg_root, ignore_errors=True)
+    py = sys.executable
+    fsize = int((args.floor_gib or (4 if args.gpu else 1)) * GIB)
+    res: dict[str, Any] = {"host": host, "gpu": args.gpu, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_begin)), "cores": os.cpu_count(),
+                           "versions": versions(gpusnap, runc), "workloads": []}
+    say(f"e2e on {host}: {os.cpu_count()} cores; {res['versions']}")
+    cuda = CudaDriver() if args.gpu else None
+    with Registry(reg_root, E2E_PORTS) as registry:
+        floors: dict[str, Any] = {}
+        floors |= run_floor("memcpy", size=fsize)
+        floors |= run_floor("sha256", size=fsize)
+        floors |= run_floor("disk", size=fsize, directory=str(args.work))
+        floors |= run_floor("http", size=fsize, host=registry.host, streams=min(8, os.cpu_count() or 1))
+        res["floors"] = floors
+    shutil.rmtree(reg_root, ignore_errors=True)
+    wpy = args.workload_python or py
+    tiny = [] if args.gpu else ["--small"]  # the GPT-2 workloads on a CPU: tiny models, to try the harness
+    names = (args.workloads or ("server,train" if args.gpu else "cpu")).split(",")
+    weights = args.work / "gpt2-large"
+    if "server" in names:
+        say("writing GPT-2 large weights (random, seeded) as safetensors")
+        c = measure([wpy, str(workloads / "gpt2_server.py"), "setup", str(weights), *tiny], timeout=600)
+        say(c.stdout.strip() or c.stderr.strip()[-1000:])
+    catalog = {
+        "server": Workload("server", [wpy, str(workloads / "gpt2_server.py"), "serve", str(weights), "--compile", args.server_compile], args.gpu, 900, 5,
+                           growth_target=10.0, cold_start_target=10.0),
+        # Training changes all its state every step: a second checkpoint says nothing new, and its
+        # minutes are better spent on the restores within one 10-minute run.
+        "train": Workload("train", [wpy, str(workloads / "gpt2_train.py"), "--batch", str(args.train_batch), *tiny], args.gpu, 600, 3, diff=False,
+                          second_checkpoint=args.train_second_checkpoint, rel_tol=1e-5, bare_rounds=1),
+        "cpu": Workload("cpu", [wpy, str(workloads / "cpu_holder.py"), "--random-mib", str(args.cpu_random_mib), "--zero-mib", str(args.cpu_zero_mib),
+                                "--const-mib", str(args.cpu_const_mib)], False, 300, 5, growth_target=2.0),
+    }
+    unknown = set(names) - set(catalog)
+    if unknown:
+        print(f"e2e: unknown workload(s) {', '.join(sorted(unknown))}; pick from {', '.join(catalog)}", file=sys.stderr)
+        return 2
+    try:
+        with Registry(reg_root, E2E_PORTS) as registry:
+            env = Env(args, args.work, [gpusnap], runc, registry, cuda, deadline, res)
+            for n in names:
+                if deadline and time.time() > deadline - 60:
+                    res["workloads"].append({"workload": n, "rss": [], "skipped": ["all (time)"]})
+                    continue
+                res["workloads"].append(run_workload(env, catalog[n]))
+                # Written after each workload: a run cut short by a time limit keeps what it did.
+                (args.out / "e2e.json").write_text(json.dumps(res, indent=1))
+    finally:
+        shutil.rmtree(args.work, ignore_errors=True)
+        shutil.rmtree(reg_root, ignore_errors=True)  # on /dev/shm in GPU runs: memory
+        shutil.rmtree(args.state_dir, ignore_errors=True)
+        res["seconds"] = time.time() - t_begin
+        lines = report(res, args.gpu)
+        for line in lines:
+            print(line)
+        (args.out / "e2e.json").write_text(json.dumps(res, indent=1))
+        (args.out / "e2e.log").write_text("\n".join(LOG + lines) + "\n")
+        say(f"wrote {args.out}/e2e.json and e2e.log ({res['seconds']:.0f} s)")
+    failed = any("error" in w for w in res["workloads"])
+    return 1 if failed else 0
+
+
+def versions(gpusnap: str, runc: str) -> dict[str, str]:
+    def first(cmd: list[str]) -> str:
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+            return (p.stdout or p.stderr).strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.TimeoutExpired):
+            return "?"
+
+    v = {"commit": first(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]), "gpusnap": first([gpusnap, "--version"]), "runc": first([runc, "--version"]), "criu": first(["criu", "--version"]), "python": sys.version.split()[0]}
+    if shutil.which("nvidia-smi"):
+        v["gpu"] = first(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+    return v
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    raise SystemExit(main())
