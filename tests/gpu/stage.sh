@@ -2,7 +2,8 @@
 # Builds what run_gpu_suite.sh needs on a GPU machine that reaches no registry, into DEST:
 # a copy of the checkout's tests/, bench/ and pyproject.toml, .gpu-tools/ (CRIU 4.1.1 + runc, docker-registry
 # from Debian 13 packages, GPU_TOOLS_SCRIPT builds it) and .whl/ (gpusnap's wheel plus the
-# wheels of jsonschema and its dependencies, which the GPU image lacks). Run it on a Debian
+# wheels of the dependencies the GPU image lacks: jsonschema, zstandard, pyfastcdc, cryptography,
+# pyroute2, docker and theirs). Run it on a Debian
 # host with pip; then copy DEST to the GPU machine and run DEST/tests/gpu/run_gpu_suite.sh.
 # Where CRIU 4.2 is installed (GS_GPU_CRIU42, default /opt/gpusnap-criu42, which
 # tests/host/provision.sh fills) it replaces 4.1.1 in .gpu-tools: the GPU machine has no
@@ -61,7 +62,9 @@ PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python
   || "$PY" -m pip wheel -q --no-deps -w "$DEST/.whl" "$SRC"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST/.whl" \
-  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
+  zstandard==0.25.0 pyfastcdc==0.3.1 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 fastjsonschema==2.22.3 \
+  pyroute2==0.9.7 docker==7.2.0
 if [ "${GS_GPU_CRI:-0}" = 1 ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST/.whl" \
