@@ -58,7 +58,7 @@ from gpusnap.packaging.registry import (
     RECV_SIZE,
     RegistryClient,
     RemoteRef,
-    _check_manifest_shape,
+    check_manifest_shape,
     read_body_into,
     remember_remote,
 )
@@ -184,7 +184,7 @@ def open_remote(remote: str, *, insecure: bool = False, client: RegistryClient |
         manifest = json.loads(data)
     except (ValueError, RecursionError):
         raise IntegrityError(f"manifest of {remote} is not JSON") from None
-    _check_manifest_shape(manifest, remote)
+    check_manifest_shape(manifest, remote)
     config_desc = Descriptor.from_dict(manifest["config"])
     if config_desc.size > MAX_CONFIG:
         raise GpusnapError(f"{remote}: the artifact's config is {config_desc.size} bytes, too large for checkpoint metadata")
