@@ -70,7 +70,7 @@ class Containerd2:
         self.runc_root = self.state / "runc"
 
     def config_text(self) -> str:
-        from gpusnap.install import InstallOptions, InstallPaths, plan_containerd
+        from gpusnap.admin.install import InstallOptions, InstallPaths, plan_containerd
 
         hosts = self.root / "certs.d"
         (hosts / self.registry).mkdir(parents=True, exist_ok=True)
@@ -114,7 +114,7 @@ class Containerd2:
             self.config.write_text(edit.new)
         # Each runtime's runc root under this daemon's state: the shim's default
         # (/run/containerd/runc/k8s.io) is shared with any other containerd on the host.
-        from gpusnap.install import _containerd_table, _toml_key
+        from gpusnap.admin.install import _containerd_table, _toml_key
 
         text = self.config.read_text()
         for name in self.runtimes:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gpusnap.config import HostPaths
 from gpusnap.gpu.base import ContainerRef
-from gpusnap.runc import run_runc
+from gpusnap.runc.invoke import run_runc
 
 # Global flags that select which containers runc sees; --log/--debug are left out so that the
 # shim's own queries add nothing to the engine's runc log.

@@ -93,7 +93,7 @@ def _push(
         if not as_json:
             _console().print(f"imported {shown} as {ref}", soft_wrap=True)
     if podman_image:
-        from gpusnap.engines.flows import PODMAN_IMAGE_ENCRYPTED, push_podman_image
+        from gpusnap.engines.orchestrate import PODMAN_IMAGE_ENCRYPTED, push_podman_image
 
         if encrypt_key is not None or recipient:
             raise UsageError(PODMAN_IMAGE_ENCRYPTED)

@@ -38,7 +38,7 @@ import typer
 from gpusnap.cli.context import get_ctx, require_root
 from gpusnap.cli.output import human_size
 from gpusnap.config import Settings
-from gpusnap.engines import flows
+from gpusnap.engines import orchestrate
 from gpusnap.engines.base import CheckpointOptions, ContainerInfo
 from gpusnap.engines.runc_direct import RuncDirectEngine
 from gpusnap.errors import GpusnapError, MissingDependencyError, UsageError
@@ -73,7 +73,7 @@ def run_demo(settings: Settings, name: str, keep: bool, say: Callable[[str], Non
     try:
         packaging = True
         try:
-            flows.packaging_api()
+            orchestrate.packaging_api()
         except GpusnapError:
             packaging = False
         say(f"1/5 starting {name}: a busybox counter on runc-direct")
@@ -83,19 +83,19 @@ def run_demo(settings: Settings, name: str, keep: bool, say: Callable[[str], Non
         ref = f"localhost/gpusnap/{name}:demo"
         if packaging:
             say(f"2/5 checkpointing it into the local store as {ref}")
-            outcome = flows.checkpoint(settings, name, engine="runc-direct", opts=CheckpointOptions(), ref=ref)
+            outcome = orchestrate.checkpoint(settings, name, engine="runc-direct", opts=CheckpointOptions(), ref=ref)
             ref = outcome.ref
             stored = True
         else:
-            out_dir = flows.work_dir(settings) / "checkpoint"
+            out_dir = orchestrate.work_dir(settings) / "checkpoint"
             say(f"2/5 checkpointing it into {out_dir}")
-            outcome = flows.checkpoint(settings, name, engine="runc-direct", opts=CheckpointOptions(), output=out_dir)
+            outcome = orchestrate.checkpoint(settings, name, engine="runc-direct", opts=CheckpointOptions(), output=out_dir)
         last = _numbers(engine.logs(info))[-1]
         say(f"    stopped at {last}; checkpoint of {human_size(outcome.size)} taken in {sum(outcome.timings_s.values()):.2f}s")
         say(f"3/5 deleting {name}")
         engine.remove(engine.get(name) or info)
         say(f"4/5 restoring it as {restored_name}")
-        restored = flows.restore(settings, ref if out_dir is None else str(out_dir), name=restored_name, engine="runc-direct")
+        restored = orchestrate.restore(settings, ref if out_dir is None else str(out_dir), name=restored_name, engine="runc-direct")
         after = _wait_for_count(engine, restored.container, 2)
         resumed = after[0] == last + 1
         say(f"5/5 {restored_name} counts on: {' '.join(map(str, after[:3]))} (it stopped at {last})")
@@ -112,7 +112,7 @@ def run_demo(settings: Settings, name: str, keep: bool, say: Callable[[str], Non
             shutil.rmtree(out_dir.parent, ignore_errors=True)
         if stored and not keep:
             try:
-                flows.packaging_api().remove(settings.store_dir, ref)
+                orchestrate.packaging_api().remove(settings.store_dir, ref)
             except Exception:  # noqa: BLE001 - cleanup must not hide the demo's own result
                 pass
 
@@ -306,14 +306,14 @@ def run_gpu_demo(settings: Settings, name: str, keep: bool, say: Callable[[str],
     ref = f"localhost/gpusnap/{name}:demo"
     stored = False
     try:
-        flows.packaging_api()  # the GPU demo goes through the local store, as users would
+        orchestrate.packaging_api()  # the GPU demo goes through the local store, as users would
         say(f"1/6 starting {name}: a CUDA workload holding {params.gib:g} GiB on the GPU (runc-direct, overlay of {params.lower}, NVIDIA_VISIBLE_DEVICES=all)")
         env = [f"{k}={v}" for k, v in _workload_env(params).items()] + [GPU_REQUEST, "HOME=/root"]
         info = engine.run(name, [params.python, "-c", CUDA_WORKLOAD], rootfs_overlay=params.lower, env=env)
         seen = _wait_for_steps(engine, info, 3, params.ready_timeout)
         say("    it computes: " + ", ".join(f"step {s} → {seen[s]}" for s in sorted(seen)[-2:]))
         say(f"2/6 checkpointing it into the local store as {ref}")
-        outcome = flows.checkpoint(settings, name, engine="runc-direct", opts=CheckpointOptions(), ref=ref)
+        outcome = orchestrate.checkpoint(settings, name, engine="runc-direct", opts=CheckpointOptions(), ref=ref)
         stored = True
         meta = outcome.metadata
         if not meta.processes:
@@ -330,7 +330,7 @@ def run_gpu_demo(settings: Settings, name: str, keep: bool, say: Callable[[str],
         engine.remove(engine.get(name) or info)
         say(f"4/6 restoring it from {ref} as {restored_name}")
         started = time.monotonic()
-        restored = flows.restore(settings, ref, name=restored_name, engine="runc-direct")
+        restored = orchestrate.restore(settings, ref, name=restored_name, engine="runc-direct")
         restore_s = round(time.monotonic() - started, 3)
         after = _wait_for_steps(engine, restored.container, 3, 120.0)
         say(f"    restored in {restore_s:.2f}s; it goes on: " + ", ".join(f"step {s}" for s in sorted(after)[:3]))
@@ -355,7 +355,7 @@ def run_gpu_demo(settings: Settings, name: str, keep: bool, say: Callable[[str],
                 engine.remove(c)
         if stored and not keep:
             try:
-                flows.packaging_api().remove(settings.store_dir, ref)
+                orchestrate.packaging_api().remove(settings.store_dir, ref)
             except Exception:  # noqa: BLE001 - cleanup must not hide the demo's own result
                 pass
 

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from gpusnap.cli.context import get_ctx
-from gpusnap.doctor import FAIL, run_checks
+from gpusnap.admin.doctor import FAIL, run_checks
 from gpusnap.errors import ExitCode
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from gpusnap import install as core
+from gpusnap.admin import install as core
 from gpusnap.errors import GpusnapError, UsageError
 
 

@@ -9,7 +9,7 @@ import typer
 
 from gpusnap.cli.context import get_ctx, require_root
 from gpusnap.cli.output import human_size
-from gpusnap.engines import flows
+from gpusnap.engines import orchestrate
 from gpusnap.engines.base import CheckpointOptions
 
 ENGINE_OPT = typer.Option("--engine", "-e", help="auto (the engine that owns it), runc-direct, podman, docker, or cri (a pod's container over the node's CRI socket).")
@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
         encryption = encryption_from_options(encrypt_key, recipient or [], encrypt_mode)
         sealed = {"encryption": encryption} if encryption is not None else {}
         with c.out.progress(f"checkpointing {container}") as progress:
-            outcome = flows.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress,
+            outcome = orchestrate.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress,
                                        podman_image=podman_image, **sealed)
         if as_json:
             c.out.json(outcome.to_dict())
@@ -100,7 +100,7 @@ def register(app: typer.Typer) -> None:
 
             keys["decryption"] = load_decryption_keys(decrypt_key)
         with c.out.progress(f"restoring {source}") as progress:
-            outcome = flows.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress, ip=ip, **keys)
+            outcome = orchestrate.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress, ip=ip, **keys)
         if as_json:
             c.out.json(outcome.to_dict())
             return

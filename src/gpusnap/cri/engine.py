@@ -196,7 +196,7 @@ def _small_blob(client: Any, repo: str, digest: str) -> dict[str, Any]:
 
 def check_node(source: CheckpointSource, settings: Settings) -> None:
     """Refuse, before any CRI call, a checkpoint this node cannot restore."""
-    from gpusnap.hostcheck import gather, require_compatible
+    from gpusnap.host.facts import gather, require_compatible
 
     if source.arch and source.arch != goarch():
         raise IncompatibleHostError(f"{source.image} is a checkpoint for {source.arch} and this node is {goarch()}; restore it on a {source.arch} node")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from gpusnap.config import HostPaths
 from gpusnap.errors import CheckpointError, GpusnapError, RollbackError, UnsupportedError
 from gpusnap.gpu.base import GpuBackend, ProcessGone, ProcessGpuState
-from gpusnap.gpu.hostcheck import pairs_for
+from gpusnap.gpu.compat import pairs_for
 from gpusnap.gpu.procs import container_pids
 from gpusnap.metadata import GpuInfo, GpuProcess
 

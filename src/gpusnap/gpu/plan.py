@@ -23,7 +23,7 @@ from gpusnap.config import HostPaths, Settings
 from gpusnap.errors import IncompatibleHostError, MissingDependencyError, RestoreError, UsageError
 from gpusnap.gpu.base import ContainerRef, GpuBackend, GpuPlan, NoGpuPlan, ProcessGpuState
 from gpusnap.gpu.group import GpuGroup
-from gpusnap.gpu.hostcheck import check_host
+from gpusnap.gpu.compat import check_host
 from gpusnap.gpu.procs import container_pids, host_pid_by_ns_pid
 from gpusnap.gpu.selection import assigned_gpus
 from gpusnap.gpu.unsupported import uses_nvidia_devices

@@ -22,7 +22,7 @@ belongs in the directory as it streams in:
 Everything is written into a ``.partial-`` directory beside the destination, renamed into
 place only when every blob and piece has been verified; any failure removes it. The work
 directory holding it is named after the gpusnap process, so one left by a kill -9 is removed by
-the next run (gpusnap.engines.flows.work_dir). The store is not written during the download:
+the next run (gpusnap.engines.orchestrate.work_dir). The store is not written during the download:
 afterwards it records only the manifest and the config, and the registry repository as the
 source of the blobs (see docs/artifact-format.md, "Restore from a registry").
 

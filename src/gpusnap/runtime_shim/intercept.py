@@ -17,8 +17,8 @@ from gpusnap.config import Settings, load_settings
 from gpusnap.errors import ExitCode, GpusnapError
 from gpusnap.ocispec.modifiers import ModifyContext, apply_chain, default_chain
 from gpusnap.ocispec.spec import config_path, load_spec, save_spec, validate_spec
-from gpusnap.runc import exec_runc, run_runc
-from gpusnap.runtime_shim.argv import Invocation
+from gpusnap.runc.invoke import exec_runc, run_runc
+from gpusnap.runc.argv import Invocation
 from gpusnap.steps import Step, StepFailed, run_steps
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (create pays for imports)
@@ -114,7 +114,7 @@ def dispatch(inv: Invocation, runc: str, env: Mapping[str, str]) -> int:
         except StepFailed as exc:
             report(inv, str(exc))
             return int(exc.exit_code)
-    from gpusnap.checkpoint.flows import RuncCall, checkpoint, failure_exit_code, restore
+    from gpusnap.checkpoint.runtime_steps import RuncCall, checkpoint, failure_exit_code, restore
 
     call = RuncCall(runc=runc, inv=inv, env=env, cwd=cwd)
     try:

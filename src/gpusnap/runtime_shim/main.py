@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
-from gpusnap.runc import exec_runc, find_runc
-from gpusnap.runtime_shim.argv import INTERCEPTED, Invocation, parse
+from gpusnap.runc.invoke import exec_runc, find_runc
+from gpusnap.runc.argv import INTERCEPTED, Invocation, parse
 from gpusnap.runtime_shim.fastconfig import fast_settings
 
 PROG = "gpusnap-runtime"

@@ -152,7 +152,7 @@ def test_kill9_direct_restore(tmp_path: Path, registry: Registry, ledger, fracti
     directory in the dead process's work directory, which the next gpusnap run removes; the
     store has no record; a second run writes the same bytes."""
     from gpusnap.config import Settings
-    from gpusnap.engines.flows import work_dir
+    from gpusnap.engines.orchestrate import work_dir
 
     src = _ck(tmp_path / "ck")
     api.store_checkpoint(tmp_path / "origin", src, form="criu-dir", ref="gs-rel/ck:1")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpusnap.doctor import FAIL, OK, _front_check
+from gpusnap.admin.doctor import FAIL, OK, _front_check
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap import install as core
+from gpusnap.admin import install as core
 
 V3_DEFAULT = """version = 3
 root = '/var/lib/containerd'

@@ -23,7 +23,7 @@ from gpusnap.config import load_settings
 from gpusnap.errors import ExitCode, GpusnapError
 
 intercept = pytest.importorskip("gpusnap.runtime_shim.intercept", reason="the runtime shim has not landed")
-from gpusnap.runtime_shim.argv import parse  # noqa: E402
+from gpusnap.runc.argv import parse  # noqa: E402
 
 VALID: dict[str, Any] = {
     "ociVersion": "1.0.2",

@@ -37,7 +37,7 @@ def test_create_imports_no_heavy_modules(tmp_path: Path) -> None:
     assert "gpusnap.ocispec.spec" in first and list((tmp_path / "run" / "schema").rglob("*.py"))
     loaded = _create_modules(tmp_path)
     assert "gpusnap.runtime_shim.intercept" in loaded and any(m.startswith("_gpusnap_schema_config_") for m in loaded)
-    for heavy in ("jsonschema", "fastjsonschema", "typer", "rich", "docker", "typing", "hashlib", "gpusnap.ocispec.gpu_modifiers", "gpusnap.gpu.discovery", "gpusnap.checkpoint.flows"):
+    for heavy in ("jsonschema", "fastjsonschema", "typer", "rich", "docker", "typing", "hashlib", "gpusnap.ocispec.gpu_modifiers", "gpusnap.gpu.discovery", "gpusnap.checkpoint.runtime_steps"):
         assert heavy not in loaded, heavy
 
 
@@ -59,5 +59,5 @@ def test_gpu_create_imports_no_third_party_validation_or_cli(tmp_path: Path) -> 
     _create_modules(tmp_path, ["NVIDIA_VISIBLE_DEVICES=all"], extra)
     loaded = _create_modules(tmp_path, ["NVIDIA_VISIBLE_DEVICES=all"], extra)
     assert "gpusnap.ocispec.gpu_modifiers" in loaded and "gpusnap.gpu.discovery" in loaded
-    for heavy in ("jsonschema", "fastjsonschema", "typer", "rich", "docker", "gpusnap.checkpoint.flows"):
+    for heavy in ("jsonschema", "fastjsonschema", "typer", "rich", "docker", "gpusnap.checkpoint.runtime_steps"):
         assert heavy not in loaded, heavy

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpusnap.runtime_shim.argv import parse
+from gpusnap.runc.argv import parse
 from gpusnap.runtime_shim.main import _intercepts
 
 REPO = Path(__file__).resolve().parents[3]

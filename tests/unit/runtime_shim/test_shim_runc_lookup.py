@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.errors import ExitCode, MissingDependencyError
-from gpusnap.runc import find_runc
+from gpusnap.runc.invoke import find_runc
 from gpusnap.runtime_shim.fastconfig import fast_settings
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpusnap.runtime_shim.argv import parse, with_global_flag
+from gpusnap.runc.argv import parse, with_global_flag
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from gpusnap import install as core
+from gpusnap.admin import install as core
 from gpusnap.cli.install import register
 from gpusnap.errors import UsageError
 

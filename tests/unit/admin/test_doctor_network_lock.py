@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.config import load_settings
-from gpusnap.doctor import FAIL, OK, WARN, check_network_lock
+from gpusnap.admin.doctor import FAIL, OK, WARN, check_network_lock
 
 
 def fake_criu(tmp_path: Path, version: str) -> str:

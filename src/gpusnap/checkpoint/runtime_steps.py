@@ -33,8 +33,8 @@ from gpusnap.gpu.base import ContainerRef, GpuPlan
 from gpusnap.gpu.devnodes import retarget_step
 from gpusnap.gpu.plan import make_gpu_plan
 from gpusnap.metadata import CheckpointMetadata
-from gpusnap.runc import run_runc, runc_version
-from gpusnap.runtime_shim.argv import Invocation, with_global_flag
+from gpusnap.runc.invoke import run_runc, runc_version
+from gpusnap.runc.argv import Invocation, with_global_flag
 from gpusnap.steps import Step, StepFailed, run_steps, signals_as_exceptions
 
 # How often a foreground restore polls `runc state` while waiting for the container to run.

@@ -6,7 +6,7 @@ import pytest
 
 from gpusnap.errors import IncompatibleHostError
 from gpusnap.gpu.base import GpuStatus
-from gpusnap.gpu.hostcheck import check_host, needed_memory, pairs_for
+from gpusnap.gpu.compat import check_host, needed_memory, pairs_for
 from gpusnap.metadata import CheckpointMetadata, GpuInfo, GpuProcess
 
 GIB = 1 << 30

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from gpusnap.errors import IncompatibleHostError, MissingDependencyError
-from gpusnap.hostcheck import HostFacts, problems, require_compatible, version_tuple
+from gpusnap.host.facts import HostFacts, problems, require_compatible, version_tuple
 from gpusnap.metadata import CheckpointMetadata, GpuInfo
 
 
@@ -79,7 +79,7 @@ def test_gpu_side_check_runs_with_the_standin(tmp_path) -> None:  # type: ignore
     import json as _json
 
     from gpusnap.config import load_settings
-    from gpusnap.hostcheck import gather
+    from gpusnap.host.facts import gather
     from gpusnap.metadata import GpuProcess
 
     (tmp_path / "gpus.json").write_text(_json.dumps([{"uuid": "GPU-0", "name": "NVIDIA H200", "memory_total_bytes": 1 << 34,

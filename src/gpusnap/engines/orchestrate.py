@@ -35,7 +35,7 @@ from gpusnap.engines.base import (
 )
 from gpusnap.engines.registry import detect_form, engine_for_form, find_container, make_engine, read_json_member
 from gpusnap.errors import GpusnapError, MissingDependencyError, NotFoundError, UsageError
-from gpusnap.hostcheck import HostFacts, gather, require_compatible
+from gpusnap.host.facts import HostFacts, gather, require_compatible
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata, GpuInfo, GpuProcess
 from gpusnap.steps import Step, run_steps
 

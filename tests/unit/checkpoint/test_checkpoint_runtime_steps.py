@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.checkpoint.flows import RuncCall, checkpoint, failure_exit_code, restore
+from gpusnap.checkpoint.runtime_steps import RuncCall, checkpoint, failure_exit_code, restore
 from gpusnap.config import HostPaths, Settings
 from gpusnap.errors import ExitCode
 from gpusnap.gpu.base import ContainerRef
 from gpusnap.metadata import CheckpointMetadata
-from gpusnap.runtime_shim.argv import parse
+from gpusnap.runc.argv import parse
 from gpusnap.steps import Step, StepFailed
 
 FAKE_RUNC = """#!/bin/sh

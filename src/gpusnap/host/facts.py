@@ -171,6 +171,6 @@ def require_compatible(meta: CheckpointMetadata | None, facts: HostFacts, *, wha
     if meta.processes and facts.gpu_status is not None:
         # The GPU side's own check (free memory per GPU, MIG, UUID remap), the one the runtime
         # repeats at restore: asked here too so the refusal comes before any pull or unpack.
-        from gpusnap.gpu.hostcheck import check_host
+        from gpusnap.gpu.compat import check_host
 
         check_host(meta, facts.gpu_status, facts.supports_remap)

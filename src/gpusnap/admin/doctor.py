@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gpusnap.config import Settings
 from gpusnap.criu.config import takes_network_lock_option
-from gpusnap.hostcheck import MIN_CRIU, criu_path, criu_version, host_gpus, version_tuple
+from gpusnap.host.facts import MIN_CRIU, criu_path, criu_version, host_gpus, version_tuple
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 MIN_DRIVER_CHECKPOINT = (570,)  # the CUDA driver's checkpoint API arrived with the 570 branch

@@ -1,0 +1,1 @@
+"""The real runc: locating and running it (:mod:`.invoke`), reading its command line (:mod:`.argv`)."""
