@@ -18,7 +18,8 @@ from pathlib import Path
 
 from gpusnap.config import Settings
 from gpusnap.criu.config import takes_network_lock_option
-from gpusnap.host.facts import MIN_CRIU, criu_path, criu_version, host_gpus, version_tuple
+from gpusnap.criu.locate import MIN_VERSION, probe_criu
+from gpusnap.host.facts import host_gpus, version_tuple
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 MIN_DRIVER_CHECKPOINT = (570,)  # the CUDA driver's checkpoint API arrived with the 570 branch
@@ -43,15 +44,14 @@ def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[st
 
 
 def check_criu(settings: Settings) -> list[Check]:
-    path = criu_path(settings)
+    path, version = probe_criu(settings)
     fix_install = "install CRIU >= 4.0 (sudo bash tests/host/provision.sh does) or set GPUSNAP_CRIU to its path"
     if not path:
         return [Check("criu", FAIL, "CRIU not found on PATH", fix_install), Check("criu check", FAIL, "skipped: no CRIU", fix_install)]
-    version = criu_version(path)
     if not version:
         return [Check("criu", FAIL, f"{path} does not run", fix_install), Check("criu check", FAIL, "skipped: CRIU does not run", fix_install)]
     out = []
-    if version_tuple(version)[:2] < MIN_CRIU:
+    if version_tuple(version)[:2] < MIN_VERSION:
         out.append(Check("criu", FAIL, f"CRIU {version} at {path} is too old (kernel 6.x needs >= 4.0)", fix_install))
     else:
         out.append(Check("criu", OK, f"CRIU {version} at {path}"))
@@ -72,8 +72,7 @@ def check_network_lock(settings: Settings, which: Callable[[str], str | None] = 
     found = which("iptables-restore")
     if found:
         return [Check("network lock", OK, f"iptables-restore at {found} (CRIU locks container networks with it)")]
-    path = criu_path(settings)
-    version = criu_version(path) if path else ""
+    _, version = probe_criu(settings)
     fix = "install iptables (apt-get install iptables)"
     if version and takes_network_lock_option(version_tuple(version)):
         return [Check("network lock", WARN, f"no iptables-restore: only runc-direct containers without network can be checkpointed (CRIU {version} skips their lock)", fix)]

@@ -65,6 +65,20 @@ def criu_version(path: str) -> tuple[int, int, int]:
     return version
 
 
+def probe_criu(settings: Settings, env_path: str | None = None) -> tuple[str | None, str]:
+    """The CRIU :func:`locate_criu` picks and its version ("4.1.1"), for reports that describe
+    this host instead of refusing (doctor, host facts): ``(None, "")`` when there is no CRIU,
+    ``(path, "")`` when it does not run or prints no version."""
+    try:
+        path = locate_criu(settings, env_path)
+    except MissingDependencyError:
+        return None, ""
+    try:
+        return path, ".".join(str(p) for p in criu_version(path))
+    except MissingDependencyError:
+        return path, ""
+
+
 def _boot_id(settings: Settings) -> str:
     try:
         return (settings.host.proc / "sys/kernel/random/boot_id").read_text().strip()

@@ -7,7 +7,6 @@ other GPUs, another driver branch, CRIU missing or too old, an older kernel.
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 import shutil
@@ -17,12 +16,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gpusnap.config import Settings
+from gpusnap.criu.locate import MIN_VERSION, probe_criu
 from gpusnap.errors import IncompatibleHostError, MissingDependencyError, UsageError
 from gpusnap.gpu.base import GpuStatus
 from gpusnap.metadata import CheckpointMetadata, GpuInfo
-
-MIN_CRIU = (4, 0)
-
 
 @dataclass
 class HostFacts:
@@ -43,23 +40,6 @@ class HostFacts:
 def version_tuple(text: str) -> tuple[int, ...]:
     nums = re.findall(r"\d+", text.split("-")[0])
     return tuple(int(n) for n in nums[:3])
-
-
-def criu_path(settings: Settings) -> str | None:
-    if settings.criu:
-        return settings.criu if os.access(settings.criu, os.X_OK) else None
-    return shutil.which("criu")
-
-
-def criu_version(path: str | None) -> str:
-    if not path:
-        return ""
-    try:
-        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
-    except OSError:
-        return ""
-    m = re.search(r"Version:\s*(\S+)", proc.stdout)
-    return m.group(1) if (proc.returncode == 0 and m) else ""
 
 
 def host_gpus() -> tuple[list[GpuInfo], str]:
@@ -106,13 +86,13 @@ def backend_gpus(settings: Settings) -> tuple[list[GpuStatus] | None, bool, str]
 
 
 def gather(settings: Settings, *, with_gpus: bool = True) -> HostFacts:
-    path = criu_path(settings)
+    path, version = probe_criu(settings)
     facts = HostFacts(
         arch=platform.machine(),
         kernel=platform.release(),
         hostname=socket.gethostname(),
         criu_path=path,
-        criu_version=criu_version(path),
+        criu_version=version,
     )
     if not with_gpus:
         return facts
@@ -159,7 +139,7 @@ def require_compatible(meta: CheckpointMetadata | None, facts: HostFacts, *, wha
     """Raise before anything changes when this host cannot restore ``what``."""
     if not facts.criu_path:
         raise MissingDependencyError("CRIU not found on PATH; install CRIU >= 4.0 (tests/host/provision.sh does) or set GPUSNAP_CRIU")
-    if not facts.criu_version or version_tuple(facts.criu_version)[:2] < MIN_CRIU:
+    if not facts.criu_version or version_tuple(facts.criu_version)[:2] < MIN_VERSION:
         raise MissingDependencyError(
             f"CRIU at {facts.criu_path} is {facts.criu_version or 'not working'}; gpusnap needs CRIU >= 4.0 (see `gpusnap doctor`)"
         )

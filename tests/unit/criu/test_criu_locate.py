@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.config import HostPaths, Settings
-from gpusnap.criu.locate import find_criu, parse_version
+from gpusnap.criu.locate import find_criu, parse_version, probe_criu
 from gpusnap.errors import MissingDependencyError
 
 
@@ -79,3 +79,15 @@ def test_unusable_criu_names_the_fix(tmp_path: Path, setup, expect: str) -> None
 def test_not_on_path(tmp_path: Path) -> None:
     with pytest.raises(MissingDependencyError, match="not found on PATH"):
         find_criu(_settings(tmp_path, None), env_path=str(tmp_path / "empty"))
+
+
+def test_probe_describes_instead_of_raising(tmp_path: Path) -> None:
+    """doctor and the host facts ask the same locator as checkpoint, and get a description."""
+    assert probe_criu(_settings(tmp_path, None), env_path=str(tmp_path / "empty")) == (None, "")
+    assert probe_criu(_settings(tmp_path, _criu(tmp_path, version="3.17.1"))) == (str(tmp_path / "criu"), "3.17.1")
+    broken = tmp_path / "broken" / "criu"
+    broken.parent.mkdir()
+    broken.write_text("#!/bin/sh\nexit 1\n")
+    broken.chmod(0o755)
+    assert probe_criu(_settings(tmp_path, broken)) == (str(broken), "")
+    assert not (tmp_path / "check-runs").exists()  # no `criu check`: a probe only reads the version
