@@ -18,11 +18,11 @@ from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, Descriptor, OciStore, no
 
 if TYPE_CHECKING:
     from gpusnap.packaging.crypto import DecryptionKeys, EncryptionConfig
+    from gpusnap.packaging.registry import PushResult  # made there; registry is imported lazily (requests)
 
 __all__ = [
     "ArtifactInfo",
     "LayerInfo",
-    "PushResult",
     "StoredCheckpoint",
     "inspect",
     "inspect_path",
@@ -51,17 +51,6 @@ class StoredCheckpoint:
     size: int  # total bytes referenced by the manifest (config + layers)
     new_bytes: int  # bytes that were not in the store before (what dedup did not save)
     layers: int
-
-
-@dataclass
-class PushResult:
-    remote: str  # the reference pushed to, with its tag
-    digest: str
-    uploaded_bytes: int
-    skipped_bytes: int  # blobs the registry already had (HEAD) or mounted from another repository
-    mounted_blobs: int
-    blobs: int
-    seconds: float
 
 
 @dataclass

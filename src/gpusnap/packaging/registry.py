@@ -101,6 +101,17 @@ class RemoteRef:
         return s
 
 
+@dataclass
+class PushResult:
+    remote: str  # the reference pushed to, with its tag
+    digest: str
+    uploaded_bytes: int
+    skipped_bytes: int  # blobs the registry already had (HEAD) or mounted from another repository
+    mounted_blobs: int
+    blobs: int
+    seconds: float
+
+
 def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
     scheme, _, rest = header.strip().partition(" ")
     params = dict(re.findall(r'(\w+)="([^"]*)"', rest))
@@ -659,11 +670,9 @@ def push_artifact(
     subject: str | None = None,
     client: RegistryClient | None = None,
     sender: "_BlobSender | None" = None,
-) -> Any:
+) -> PushResult:
     """``sender``: the one a :class:`PipelinedPush` used while the checkpoint was stored; the
     blobs it already put on the registry are not asked about again."""
-    from gpusnap.packaging.api import PushResult
-
     started = time.monotonic()
     target = RemoteRef.parse(remote)
     if target.digest and not target.tag:
