@@ -18,6 +18,7 @@ nothing is injected twice.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,10 +86,10 @@ def find_request(spec: dict[str, Any], *, from_env: bool = True) -> GpuRequest |
     return None
 
 
-def cdi_device_paths(host: HostPaths, cdi_dirs: tuple[str, ...] = ("etc/cdi", "var/run/cdi")) -> set[str]:
-    """Device node paths that the host's CDI specs define for GPU kinds (validated on read)."""
-    from gpusnap.ocispec.gpu_modifiers import validate_cdi  # jsonschema: only when CDI files exist
-
+def cdi_device_paths(host: HostPaths, validate_cdi: Callable[[Any, str], None],
+                     cdi_dirs: tuple[str, ...] = ("etc/cdi", "var/run/cdi")) -> set[str]:
+    """Device node paths that the host's CDI specs define for GPU kinds, each file checked with
+    ``validate_cdi`` (the caller's: the CDI schema lives with the other specs, in ocispec)."""
     paths: set[str] = set()
     for rel in cdi_dirs:
         d = host.root / rel

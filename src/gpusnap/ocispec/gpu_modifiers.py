@@ -164,7 +164,7 @@ def plan_injection(
     """What to inject into ``spec``; None when it asks for no GPUs or already has them."""
     env = os.environ if env is None else env
     # Devices that CDI or the NVIDIA toolkit put there win, whatever the request says.
-    if already_injected(spec, cdi_device_paths(settings.host)) is not None:
+    if already_injected(spec, cdi_device_paths(settings.host, validate_cdi)) is not None:
         return None
     selection = select(spec, inventory, from_env=settings.gpu_request_env)
     if selection is None:

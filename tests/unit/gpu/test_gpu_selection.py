@@ -90,6 +90,8 @@ def test_already_injected_by_cdi_device_or_toolkit_hook() -> None:
 
 
 def test_cdi_device_paths_read_and_validated(tmp_path: Path) -> None:
+    from gpusnap.ocispec.gpu_modifiers import validate_cdi
+
     cdi = tmp_path / "etc/cdi"
     cdi.mkdir(parents=True)
     (cdi / "vendor.json").write_text(json.dumps({
@@ -98,10 +100,10 @@ def test_cdi_device_paths_read_and_validated(tmp_path: Path) -> None:
         "containerEdits": {"deviceNodes": [{"path": "/dev/egpuctl"}]},
     }))
     (cdi / "notes.txt").write_text("ignored")
-    assert s.cdi_device_paths(HostPaths(tmp_path)) == {"/dev/egpu0", "/dev/egpuctl"}
+    assert s.cdi_device_paths(HostPaths(tmp_path), validate_cdi) == {"/dev/egpu0", "/dev/egpuctl"}
     (cdi / "broken.json").write_text(json.dumps({"cdiVersion": "0.6.0", "kind": "example.com/gpu", "devices": [{"name": "0"}]}))
     with pytest.raises(UsageError, match=r"broken.json: invalid at devices/0: 'containerEdits' is a required property"):
-        s.cdi_device_paths(HostPaths(tmp_path))
+        s.cdi_device_paths(HostPaths(tmp_path), validate_cdi)
     (cdi / "broken.json").write_text("{nope")
     with pytest.raises(UsageError, match="not a readable CDI JSON"):
-        s.cdi_device_paths(HostPaths(tmp_path))
+        s.cdi_device_paths(HostPaths(tmp_path), validate_cdi)
