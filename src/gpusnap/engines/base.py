@@ -97,6 +97,21 @@ class Engine(Protocol):
     def logs(self, container: ContainerInfo) -> str: ...
 
 
+class EngineBase:
+    """What every engine adapter shares: :meth:`available` is :meth:`require` answering instead
+    of raising, so each adapter writes only its own check."""
+
+    def require(self) -> None:
+        raise NotImplementedError
+
+    def available(self) -> bool:
+        try:
+            self.require()
+        except MissingDependencyError:
+            return False
+        return True
+
+
 def find_executable(name: str, *, hint: str) -> str:
     """Absolute path of ``name`` on PATH, or a MissingDependencyError naming the fix."""
     path = shutil.which(name)

@@ -23,6 +23,7 @@ from gpusnap.engines.base import (
     FORM_DOCKER_DIR,
     CheckpointOptions,
     ContainerInfo,
+    EngineBase,
     EngineCheckpoint,
     RestoreOptions,
 )
@@ -45,7 +46,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 @dataclass
-class DockerEngine:
+class DockerEngine(EngineBase):
     base_url: str | None = None  # None = DOCKER_HOST or the default socket
     name: str = NAME
     form: str = FORM_DOCKER_DIR
@@ -64,13 +65,6 @@ class DockerEngine:
 
     def _where(self) -> str:
         return self.base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-
-    def available(self) -> bool:
-        try:
-            self.require()
-            return True
-        except MissingDependencyError:
-            return False
 
     def require(self) -> None:
         import docker

@@ -17,6 +17,7 @@ from gpusnap.engines.base import (
     FORM_PODMAN_ARCHIVE,
     CheckpointOptions,
     ContainerInfo,
+    EngineBase,
     EngineCheckpoint,
     RestoreOptions,
     find_executable,
@@ -34,7 +35,7 @@ def _first_line(text: str) -> str:
 
 
 @dataclass
-class PodmanEngine:
+class PodmanEngine(EngineBase):
     binary: str = "podman"
     name: str = NAME
     form: str = FORM_PODMAN_ARCHIVE
@@ -42,12 +43,6 @@ class PodmanEngine:
     def _run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         exe = find_executable(self.binary, hint="install podman (apt-get install podman) or pick another --engine")
         return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout, check=False)
-
-    def available(self) -> bool:
-        try:
-            return self._run("version", "--format", "{{.Client.Version}}", timeout=30).returncode == 0
-        except MissingDependencyError:
-            return False
 
     def require(self) -> None:
         proc = self._run("version", "--format", "{{.Client.Version}}", timeout=30)

@@ -36,6 +36,7 @@ from gpusnap.engines.base import (
     FORM_CRIU_DIR,
     CheckpointOptions,
     ContainerInfo,
+    EngineBase,
     EngineCheckpoint,
     RestoreOptions,
     rfc3339_now,
@@ -257,7 +258,7 @@ def runtime_command(settings: Settings) -> tuple[list[str], str]:
 
 
 @dataclass
-class RuncDirectEngine:
+class RuncDirectEngine(EngineBase):
     settings: Settings
     name: str = NAME
     form: str = FORM_CRIU_DIR
@@ -307,13 +308,6 @@ class RuncDirectEngine:
         return json.loads(proc.stdout)
 
     # ---- Engine interface -------------------------------------------------------------------
-    def available(self) -> bool:
-        try:
-            self.require()
-            return True
-        except MissingDependencyError:
-            return False
-
     def require(self) -> None:
         runtime_command(self.settings)
 
