@@ -252,7 +252,12 @@ def checkpoint(
     # it (api.start_push), so the push step only waits for the last uploads and sends the
     # manifest. An encrypted store seals blobs after building them and a podman image is
     # built from the stored artifact: those push after the store, as before.
-    pipelined = bool(push) and not podman_image and encryption is None and hasattr(api, "start_push")
+    # Only when the container keeps running: a checkpoint that stops it leaves the CRIU images
+    # in the work dir as the container's only copy until the store has tagged them, and a
+    # registry that stalls an upload must not hold that window open (a kill -9 then would leave
+    # an untagged store and a work dir the next run removes).
+    pipelined = (bool(push) and opts.leave_running and not podman_image and encryption is None
+                 and hasattr(api, "start_push"))
     transfer: list[Any] = []
 
     def store() -> None:
