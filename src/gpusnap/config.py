@@ -45,6 +45,8 @@ class HostPaths:
 
 @dataclass(frozen=True)
 class Settings:
+    """Where gpusnap keeps its state, which binaries it runs, and host-wide policy."""
+
     host: HostPaths = field(default_factory=HostPaths)
     run_dir: Path = Path("/run/gpusnap")  # per-boot state: runc-direct containers, restore markers
     state_dir: Path = Path("/var/lib/gpusnap")  # persistent state: IPAM, GPU assignments

@@ -33,6 +33,8 @@ class Step:
 
 @dataclass
 class StepRecord:
+    """A step that ran: its name, how long it took and what it returned."""
+
     name: str
     seconds: float
     result: Any = None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gpusnap.config import check_admin_file
 from gpusnap.errors import UsageError
+from gpusnap.runc.argv import valid_container_id
 
 CRIU_CONFIG_ANNOTATION = "org.criu.config"
 # Set by the shim next to org.criu.config so a later pass (restore) knows the file is its own
@@ -64,11 +65,10 @@ def skips_network_lock(annotations: dict[str, str]) -> bool:
     return NETWORK_LOCK_SKIP in [o.strip().lstrip("-") for o in annotations.get(EXTRA_OPTIONS_ANNOTATION, "").split(",")]
 
 
-# runc's own container id alphabet; checked here because the id becomes a file name.
-_ID_RE = re.compile(r"[\w+\-.]{1,1024}", re.ASCII)
 # A CRIU long option, optionally with one plain value ("opt value" or "opt=value"): no line
 # breaks or other whitespace, so nothing can smuggle in a second option.
-_OPTION_RE = re.compile(r"[a-z][a-z0-9-]*([= ][\w.,:+/@=-]+)?", re.ASCII)
+# Patterns are compiled on first use (re's own cache), not at import: every create imports this.
+_OPTION_RE = r"[a-z][a-z0-9-]*([= ][\w.,:+/@=-]+)?"
 
 # ---- what a container may ask root CRIU to do --------------------------------------------------
 #
@@ -82,7 +82,7 @@ _OPTION_RE = re.compile(r"[a-z][a-z0-9-]*([= ][\w.,:+/@=-]+)?", re.ASCII)
 GHOST_LIMIT_MAX = 512 << 20  # ghost files are copied into the images: bound what one container adds
 TIMEOUT_MAX_S = 600
 _NETWORK_LOCK_METHODS = ("iptables", "nftables", "skip")
-_SIZE_RE = re.compile(r"([0-9]{1,12})([KkMmGg]?)", re.ASCII)
+_SIZE_RE = r"([0-9]{1,12})([KkMmGg]?)"
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
@@ -93,7 +93,7 @@ def _flag(name: str, value: str | None) -> str:
 
 
 def _ghost_limit(name: str, value: str | None) -> str:
-    m = _SIZE_RE.fullmatch(value or "")
+    m = re.fullmatch(_SIZE_RE, value or "", re.ASCII)
     if m is None:
         raise ValueError("needs a size such as 1M")
     size = int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
@@ -149,7 +149,7 @@ RUNC_OWNED_OPTIONS = frozenset({"images-dir", "work-dir", "log-file", "output", 
 
 
 def criu_config_path(run_dir: Path, container_id: str) -> Path:
-    if not _ID_RE.fullmatch(container_id) or container_id in (".", ".."):
+    if not valid_container_id(container_id):
         raise UsageError(f"container id {container_id[:80]!r} is not valid (letters, digits, '_', '+', '-', '.')")
     return run_dir / "criu" / f"{container_id}.conf"
 
@@ -164,7 +164,7 @@ def _partition(option: str) -> tuple[str, str | None]:
 def container_option(option: str) -> str:
     """The CRIU config line for one option a container asked for, or UsageError (exit 2)."""
     raw = option.strip(" ").lstrip("-")
-    if not _OPTION_RE.fullmatch(raw):
+    if not re.fullmatch(_OPTION_RE, raw, re.ASCII):
         raise UsageError(
             f"annotation {EXTRA_OPTIONS_ANNOTATION}: CRIU option {raw[:80]!r} is malformed "
             "(one plain long option per comma, with at most one value); fix or remove it"
@@ -215,7 +215,7 @@ def admin_option(option: str, where: str) -> str:
     """One CRIU option from the host's own configuration (trusted, but it must be one line and
     leave runc's own options alone)."""
     raw = option.strip().lstrip("-")
-    if not _OPTION_RE.fullmatch(raw):
+    if not re.fullmatch(_OPTION_RE, raw, re.ASCII):
         raise UsageError(f"{where}: CRIU option {raw[:80]!r} is not one long option with at most one plain value; fix it")
     name, _ = _partition(raw)
     if name in RUNC_OWNED_OPTIONS:
@@ -266,18 +266,18 @@ def host_options(configured: tuple[str, ...] | list[str], host_root: Path, *, gp
 
 # ---- gpusnap.io/criu-env: the amdgpu plugin's switches ------------------------------------------
 
-_KFD_NAME_RE = re.compile(r"KFD_[A-Z0-9_]{1,64}", re.ASCII)
-_KFD_VALUE_RE = re.compile(r"[0-9]{1,20}[KMGkmg]?", re.ASCII)  # counts, 0/1 switches, sizes (1G)
+_KFD_NAME_RE = r"KFD_[A-Z0-9_]{1,64}"
+_KFD_VALUE_RE = r"[0-9]{1,20}[KMGkmg]?"  # counts, 0/1 switches, sizes (1G)
 
 
 def check_criu_env(env: dict[str, str], key: str) -> dict[str, str]:
     """What ``gpusnap.io/criu-env`` may add to runc's (and so root CRIU's) environment: the
     amdgpu plugin's KFD_* switches with numeric values; any other name (LD_PRELOAD, PATH) or
     value would let a container change how root programs run."""
-    bad = sorted(k for k in env if not _KFD_NAME_RE.fullmatch(k))
+    bad = sorted(k for k in env if not re.fullmatch(_KFD_NAME_RE, k, re.ASCII))
     if bad:
         raise UsageError(f"annotation {key} may set only KFD_* variables, not {', '.join(b[:40] for b in bad)}; remove them from it")
-    bad = sorted(k for k, v in env.items() if not _KFD_VALUE_RE.fullmatch(str(v)))
+    bad = sorted(k for k, v in env.items() if not re.fullmatch(_KFD_VALUE_RE, str(v), re.ASCII))
     if bad:
         raise UsageError(f"annotation {key}: {', '.join(bad)} must be numbers (0 turns a check off; sizes may end in K, M or G); fix the value")
     return env

@@ -26,7 +26,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any
 
 from gpusnap.config import Settings, load_settings
 from gpusnap.errors import ExitCode, GpusnapError, MissingDependencyError, UsageError
+from gpusnap.runc.argv import valid_container_id
 
 STAGES = ("prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop")
 STATUSES = ("creating", "created", "running", "stopped", "paused")
@@ -42,7 +42,6 @@ STABLE_LIB_DIR = "/usr/local/gpusnap/driver/lib"  # same value as gpusnap.ocispe
 LD_CONF_NAME = "000-gpusnap-driver.conf"
 ANN_ASSIGNED = "gpusnap.io/assigned-gpus"
 ANN_VENDOR = "gpusnap.io/gpu-vendor"
-_ID_RE = re.compile(r"[\w+\-.]{1,1024}", re.ASCII)
 
 
 @dataclass
@@ -70,7 +69,7 @@ def parse_state(text: str) -> State:
         if not isinstance(doc.get(key), str) or not doc[key]:
             raise UsageError(f"OCI state on stdin lacks a non-empty string {key!r}; run gpusnap-hook only as an OCI hook")
     # The id names files under the state and run dirs: only runc's id alphabet, never a path.
-    if not _ID_RE.fullmatch(doc["id"]) or doc["id"] in (".", ".."):
+    if not valid_container_id(doc["id"]):
         raise UsageError(f"OCI state id {doc['id'][:80]!r} is not a container id (letters, digits, '_', '+', '-', '.')")
     if doc["status"] not in STATUSES:
         raise UsageError(f"OCI state status {doc['status']!r} is not one of {', '.join(STATUSES)}")

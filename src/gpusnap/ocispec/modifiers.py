@@ -42,6 +42,8 @@ GPU_VENDOR_ANNOTATION = "gpusnap.io/gpu-vendor"
 
 @dataclass(frozen=True)
 class ModifyContext:
+    """What a modifier may know of the call beside the spec itself."""
+
     container_id: str
     bundle: Path
     command: str  # create | run | restore
@@ -59,6 +61,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class ChainResult:
+    """The modified spec and the host-side steps its edits rely on."""
+
     spec: dict[str, Any]
     steps: list[Step]
 

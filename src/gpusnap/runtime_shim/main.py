@@ -14,22 +14,10 @@ import os
 import sys
 
 from gpusnap.runc.invoke import exec_runc, find_runc
-from gpusnap.runc.argv import INTERCEPTED, Invocation, parse
+from gpusnap.runc.argv import INTERCEPTED, Invocation, parse, valid_container_id
 from gpusnap.runtime_shim.fastconfig import fast_settings
 
 PROG = "gpusnap-runtime"
-
-
-_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-.")
-
-
-def valid_container_id(cid: str | None) -> bool:
-    """runc's own rule for ids (``^[\\w+-\\.]+$``), checked before the id names any file of ours.
-
-    Ids runc would reject go to runc untouched, so it refuses them in its words; the check is
-    by hand because ``re`` alone would add milliseconds to every call.
-    """
-    return bool(cid) and cid not in (".", "..") and all(c in _ID_CHARS for c in cid)  # type: ignore[union-attr]
 
 
 def _intercepts(inv: Invocation) -> bool:
@@ -67,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         elif inv.command == "delete":
             _forget_criu_config(inv, str(cfg["run_dir"]))
         elif _intercepts(inv):
+            from gpusnap.runtime_shim.lazy import defer_unused_on_create
+
+            defer_unused_on_create()
             from gpusnap.runtime_shim.intercept import dispatch
 
             return dispatch(inv, runc, env)

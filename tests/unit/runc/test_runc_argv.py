@@ -75,7 +75,7 @@ def test_with_global_flag_adds_only_when_absent() -> None:
 
 @pytest.mark.parametrize(("cid", "ok"), [("abc-1_2.3+x", True), ("../etc", False), ("..", False), ("", False), ("a/b", False), ("a b", False)])
 def test_container_ids_follow_runcs_rule(cid: str, ok: bool) -> None:
-    from gpusnap.runtime_shim.main import valid_container_id
+    from gpusnap.runc.argv import valid_container_id
 
     assert valid_container_id(cid) is ok
 

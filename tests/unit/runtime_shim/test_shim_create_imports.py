@@ -37,8 +37,11 @@ def test_create_imports_no_heavy_modules(tmp_path: Path) -> None:
     assert "gpusnap.ocispec.spec" in first and list((tmp_path / "run" / "schema").rglob("*.py"))
     loaded = _create_modules(tmp_path)
     assert "gpusnap.runtime_shim.intercept" in loaded and any(m.startswith("_gpusnap_schema_config_") for m in loaded)
-    for heavy in ("jsonschema", "fastjsonschema", "typer", "rich", "docker", "typing", "hashlib", "gpusnap.ocispec.gpu_modifiers", "gpusnap.gpu.discovery", "gpusnap.checkpoint.runtime_steps"):
+    for heavy in ("jsonschema", "fastjsonschema", "typer", "rich", "docker", "typing", "hashlib", "ast", "dis", "tokenize", "ipaddress", "gpusnap.ocispec.gpu_modifiers", "gpusnap.gpu.discovery", "gpusnap.checkpoint.runtime_steps"):
         assert heavy not in loaded, heavy
+    # dataclasses imports inspect (with ast, dis, tokenize) only to write docstrings gpusnap's
+    # records carry, pathlib urllib.parse (with ipaddress) only for as_uri: the shim defers both
+    # (gpusnap.runtime_shim.lazy).
 
 
 def test_gpu_create_imports_no_third_party_validation_or_cli(tmp_path: Path) -> None:
