@@ -31,6 +31,9 @@ SITE=${GS_GPU_SITE:-/tmp/gs-gpu-site}
 START=$(date +%s)
 BUDGET=${GS_GPU_BUDGET:-540}   # seconds for the whole run; the benchmark skips sizes that would overrun
 mkdir -p "$OUT"
+if [ -f "$TOOLS/tools.tar.xz" ] && [ ! -x "$TOOLS/bin/runc" ]; then
+  tar -C "$TOOLS" -xJf "$TOOLS/tools.tar.xz" || exit 5   # GS_GPU_CRI=1 stage.sh packed CRIU and runc
+fi
 [ -x "$TOOLS/bin/criu" ] && [ -x "$TOOLS/bin/runc" ] || { echo "run_gpu_suite: $TOOLS/bin/{criu,runc} missing; build them with tests/gpu/stage.sh" >&2; exit 5; }
 ls "$WHEELS"/gpusnap-*.whl >/dev/null 2>&1 || { echo "run_gpu_suite: no gpusnap wheel in $WHEELS; build it with tests/gpu/stage.sh" >&2; exit 5; }
 nvidia-smi -L >/dev/null 2>&1 || { echo "run_gpu_suite: nvidia-smi finds no GPU here" >&2; exit 5; }

@@ -54,6 +54,14 @@ rm -f "$DEST/.gpu-tools/bin/docker-registry" "$DEST/.gpu-tools/docker-registry.x
 if [ "${GS_GPU_CRI:-0}" != 1 ]; then
   xz -9 -c /usr/bin/docker-registry > "$DEST/.gpu-tools/docker-registry.xz"
 fi
+# With GS_GPU_CRI=1 the tools above and containerd together pass the 64 MiB that travels to
+# the GPU machine: CRIU 4.2 and runc travel xz-compressed too (about 41 -> 12 MB);
+# run_gpu_suite.sh unpacks tools.tar.xz before anything else.
+rm -f "$DEST/.gpu-tools/tools.tar.xz"
+if [ "${GS_GPU_CRI:-0}" = 1 ]; then
+  tar -C "$DEST/.gpu-tools" -cJf "$DEST/.gpu-tools/tools.tar.xz" bin $( [ -d "$DEST/.gpu-tools/criu42" ] && echo criu42 )
+  rm -rf "$DEST/.gpu-tools/bin" "$DEST/.gpu-tools/criu42"
+fi
 rm -f "$DEST"/.whl/gpusnap-*.whl
 PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python
 # A checkout's own venv has setuptools and wheel; a clean checkout builds in pip's isolated
