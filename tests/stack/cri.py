@@ -47,6 +47,23 @@ def available() -> str:
     return ""
 
 
+def fs_type(path: Path) -> str:
+    """The type of the filesystem ``path`` lives on (the longest mount point above it)."""
+    best, kind = "", ""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def default_snapshotter(root: Path = Path("/var/lib")) -> str:
+    return "native" if fs_type(root) == "overlay" else "overlayfs"
+
+
 @dataclass
 class Containerd2:
     """One containerd 2.x daemon; ``runtimes`` maps a CRI runtime handler name to the runc-like
@@ -56,8 +73,9 @@ class Containerd2:
     registry: str  # host:port of the test registry (plain HTTP)
     pause_image: str
     tools_bin: str = ""  # put first on the daemon's PATH: containerd looks CRIU up there (GPU machine: .gpu-tools/bin)
-    # overlayfs on a host whose /var/lib is itself overlay (some GPU machine images) fails: native there.
-    snapshotter: str = field(default_factory=lambda: os.environ.get("GPUSNAP_CRI_SNAPSHOTTER", "overlayfs"))
+    # overlayfs on a host whose /var/lib is itself overlay (the GPU machine's image) fails, and
+    # containerd then pulls nothing ("no unpack platforms defined"): native there.
+    snapshotter: str = field(default_factory=lambda: os.environ.get("GPUSNAP_CRI_SNAPSHOTTER") or default_snapshotter())
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     proc: subprocess.Popen | None = None  # type: ignore[type-arg]
 
