@@ -58,7 +58,7 @@ if [ -f "$TOOLS/containerd2.tar.xz" ] && [ ! -x "$TOOLS/containerd2/bin/containe
 fi
 if [ -x "$TOOLS/containerd2/bin/containerd" ]; then   # for test_gpu_cri.py
   export GPUSNAP_CONTAINERD2_PREFIX=$TOOLS/containerd2 GPUSNAP_REGISTRY_BIN=$TOOLS/containerd2/extra/docker-registry \
-    GPUSNAP_BUSYBOX=$TOOLS/containerd2/extra/busybox
+    GPUSNAP_BUSYBOX=$TOOLS/containerd2/extra/busybox GPUSNAP_CRI_LOG_DIR=$OUT/cri-logs
 fi
 export GS_GPU_REPORT=$OUT/suite-rows.jsonl
 rm -f "$GS_GPU_REPORT"

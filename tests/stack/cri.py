@@ -211,6 +211,11 @@ class Containerd2:
                 self.proc.wait(10)
         self.proc = None
         _kill_shims(self.socket)
+        keep = os.environ.get("GPUSNAP_CRI_LOG_DIR")  # where runs on other machines keep the daemon's log
+        if keep and self.log.exists():
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.log, Path(keep) / f"containerd-{self.id}.log")
+            shutil.copy(self.config, Path(keep) / f"config-{self.id}.toml")
         for base in (self.state, self.root):
             _umount_under(base)
         shutil.rmtree(self.state, ignore_errors=True)
