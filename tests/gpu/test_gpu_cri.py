@@ -61,8 +61,7 @@ def node(tmp_path: Path):  # type: ignore[no-untyped-def]
     with Registry(tmp_path / "registry", CRI_PORTS) as reg:
         push_busybox_image(tmp_path / "images", f"{reg.host}/k8s/pause:1", PAUSE)
         push_busybox_image(tmp_path / "images", f"{reg.host}/library/hostfs:1", ["/bin/sh"], hostfs=True)
-        ctrd = Containerd2({"gpusnap": str(shim.wrapper)}, reg.host, f"{reg.host}/k8s/pause:1", tools_bin=tools_bin,
-                           snapshotter=os.environ.get("GPUSNAP_CRI_SNAPSHOTTER", "native"))
+        ctrd = Containerd2({"gpusnap": str(shim.wrapper)}, reg.host, f"{reg.host}/k8s/pause:1", tools_bin=tools_bin)
         try:
             ctrd.start()
             with ctrd.client() as cri:

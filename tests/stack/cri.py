@@ -60,8 +60,11 @@ def fs_type(path: Path) -> str:
     return kind
 
 
-def default_snapshotter(root: Path = Path("/var/lib")) -> str:
-    return "native" if fs_type(root) == "overlay" else "overlayfs"
+def default_root_base() -> Path:
+    """Where daemons keep their roots: /var/lib, or a tmpfs where /var/lib is itself overlay
+    (overlayfs snapshots cannot live there, and containerd 2.x's transfer service unpacks with
+    no other snapshotter that needs no setup: "native" gives "no unpack platforms defined")."""
+    return Path("/run/gpusnap-cri-root") if fs_type(Path("/var/lib")) == "overlay" else Path("/var/lib/gpusnap-cri")
 
 
 @dataclass
@@ -73,15 +76,13 @@ class Containerd2:
     registry: str  # host:port of the test registry (plain HTTP)
     pause_image: str
     tools_bin: str = ""  # put first on the daemon's PATH: containerd looks CRIU up there (GPU machine: .gpu-tools/bin)
-    # overlayfs on a host whose /var/lib is itself overlay (the GPU machine's image) fails, and
-    # containerd then pulls nothing ("no unpack platforms defined"): native there.
-    snapshotter: str = field(default_factory=lambda: os.environ.get("GPUSNAP_CRI_SNAPSHOTTER") or default_snapshotter())
+    snapshotter: str = field(default_factory=lambda: os.environ.get("GPUSNAP_CRI_SNAPSHOTTER", "overlayfs"))
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     proc: subprocess.Popen | None = None  # type: ignore[type-arg]
 
     def __post_init__(self) -> None:
         self.state = Path("/run/gpusnap-cri") / self.id
-        self.root = Path("/var/lib/gpusnap-cri") / self.id
+        self.root = default_root_base() / self.id
         self.socket = self.state / "containerd.sock"
         self.config = self.root / "config.toml"
         self.log = self.root / "containerd.log"
