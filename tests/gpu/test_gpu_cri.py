@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from gpu_harness import WORKER, assert_matches, reference
 from stack.cri import CRI_PORTS, Containerd2, available, push_busybox_image
-from stack.kubelet import Kubelet
+from stack.kubelet import Kubelet, Pod
 from stack.registry import Registry
 from stack.shim import Shim
 
@@ -40,13 +40,19 @@ def steps(data: Path) -> dict[int, int]:
     return out
 
 
-def wait_step(data: Path, step: int, timeout: float = 300) -> int:
+def wait_step(data: Path, step: int, timeout: float = 300, pod: Pod | None = None, node: Kubelet | None = None) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if max(steps(data), default=0) >= step:
             return max(steps(data))
+        if pod is not None and node is not None and node.state(pod) == "CONTAINER_EXITED":
+            break
         time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached in {timeout}s; at {max(steps(data), default=0)}")
+    why = f"step {step} not reached in {timeout}s; at {max(steps(data), default=0)}"
+    if pod is not None and node is not None:
+        log = pod.log.read_text(errors="replace")[-3000:] if pod.log.exists() else "(no log)"
+        why += f"; container {node.state(pod)}; its log:\n{log}"
+    raise AssertionError(why)
 
 
 @pytest.fixture
@@ -88,7 +94,7 @@ def test_cuda_pod_checkpointed_by_cri_and_restored_from_image(node: Kubelet, tmp
     data.mkdir()
     shutil.copy(WORKER, data / "gpu_worker.py")
     pod = cuda_pod(node, "trainer", node.image, data)
-    wait_step(data, 100)
+    wait_step(data, 100, timeout=120, pod=pod, node=node)
     t = time.perf_counter()
     archive = node.checkpoint(pod)
     checkpoint_s = time.perf_counter() - t
@@ -106,7 +112,7 @@ def test_cuda_pod_checkpointed_by_cri_and_restored_from_image(node: Kubelet, tmp
     restored = cuda_pod(node, "trainer", remote, data)
     restore_s = time.perf_counter() - t
     stop = at_checkpoint + 300
-    wait_step(data, stop)
+    wait_step(data, stop, timeout=180, pod=restored, node=node)
     matched = assert_matches(steps(data), reference("cuda", GB, stop, tmp_path), after=at_checkpoint)
     print(f"cri gpu: {GB} GiB, archive {archive.stat().st_size >> 20} MiB, CheckpointContainer {checkpoint_s:.2f}s, "
           f"new pod from checkpoint image {restore_s:.2f}s, {matched} steps equal to the reference")
