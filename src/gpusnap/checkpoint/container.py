@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,24 @@ def state_globals(global_opts: Mapping[str, str | bool]) -> list[str]:
             value = global_opts[name]
             args.append(f"--{name}" if value is True else f"--{name}={value}")
     return args
+
+
+def runc_freezer(runc: str, global_opts: Mapping[str, str | bool], container_id: str, env: Mapping[str, str] | None = None) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``runc pause`` and ``runc resume`` of the container, each raising when runc fails.
+
+    Each is a no-op when the container is already as asked (CRIU may thaw a container it dumped
+    with --leave-running, or leave it frozen, depending on its version)."""
+    from gpusnap.errors import GpusnapError
+
+    def run(verb: str) -> None:
+        state = runc_state(runc, global_opts, container_id, env)
+        if state is not None and state.status == ("paused" if verb == "pause" else "running"):
+            return
+        proc = run_runc(runc, [*state_globals(global_opts), verb, container_id], capture=True, env=env)
+        if proc.returncode != 0:
+            raise GpusnapError(f"runc {verb} {container_id} failed: {(proc.stderr or proc.stdout).strip()[:300]}")
+
+    return (lambda: run("pause")), (lambda: run("resume"))
 
 
 def runc_state(runc: str, global_opts: Mapping[str, str | bool], container_id: str, env: Mapping[str, str] | None = None) -> RuncState | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap import __version__
-from gpusnap.checkpoint.container import container_ref, env_with_path, fill_ref, runc_state, state_globals
+from gpusnap.checkpoint.container import container_ref, env_with_path, fill_ref, runc_freezer, runc_state, state_globals
 from gpusnap.config import Settings
 from gpusnap.criu.config import TCP_ESTABLISHED_ANNOTATION
 from gpusnap.criu.locate import CriuInfo, find_criu
@@ -124,17 +124,19 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
             healed = heal(backend, settings.host, ref.init_pid, ref.cgroup_procs or None)
             if healed:
                 meta.extra["healed_before_checkpoint"] = healed
-        return _checkpoint_steps(plan, ref, image_dir, meta, dump)
+        freezer = runc_freezer(call.runc, call.inv.global_opts, call.container_id, call.env) if state.status == "paused" else None
+        return _checkpoint_steps(plan, ref, image_dir, meta, dump, freezer)
 
 
-def _checkpoint_steps(plan: GpuPlan, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata, dump: Callable[[], None]) -> int:
+def _checkpoint_steps(plan: GpuPlan, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata, dump: Callable[[], None],
+                      freezer: tuple[Callable[[], None], Callable[[], None]] | None = None) -> int:
     # No undo for the dump itself: with --leave-running the container still runs, without it
     # the dump is what the caller asked for; the GPU steps before it carry their own undo.
-    steps = [
-        *plan.before_dump(ref, image_dir, meta),
-        Step("runc checkpoint", dump),
-        *plan.after_dump(ref, image_dir, meta, meta.leave_running),
-    ]
+    before = plan.before_dump(ref, image_dir, meta)
+    after = plan.after_dump(ref, image_dir, meta, meta.leave_running)
+    steps = [*before, Step("runc checkpoint", dump), *after]
+    if freezer is not None:
+        steps = thawed_for_gpu(before, dump, after, meta.leave_running, *freezer)
     with signals_as_exceptions():  # a signal mid-checkpoint rolls the GPU steps back too
         records = run_steps(steps)
     # Keep the GPU plan's breakdown (gpu_lock, gpu_checkpoint, criu_dump, total) beside the steps.
@@ -142,6 +144,26 @@ def _checkpoint_steps(plan: GpuPlan, ref: ContainerRef, image_dir: Path, meta: C
     image_dir.mkdir(parents=True, exist_ok=True)  # runc made it; a --page-server dump may not
     meta.write(image_dir)
     return 0
+
+
+def thawed_for_gpu(before: list[Step], dump: Callable[[], None], after: list[Step], leave_running: bool,
+                   pause: Callable[[], None], resume: Callable[[], None]) -> list[Step]:
+    """The checkpoint of a container its engine paused first, as containerd does for every
+    checkpoint (docker's and the kubelet's): the CUDA driver's checkpoint calls are answered by
+    the process itself, and a frozen process never answers, so each call would wait for ever.
+    The container is thawed for the GPU steps only and frozen again for CRIU, and left paused
+    as the engine had it; each thaw and freeze has its undo, so a failure anywhere puts the
+    container back as it was (paused, its GPU state back on the GPU)."""
+    if not before and not after:
+        return [Step("runc checkpoint", dump)]
+    steps = [Step("thaw the paused container for the GPU", resume, pause), *before,
+             Step("freeze the container again for CRIU", pause, resume), Step("runc checkpoint", dump)]
+    if leave_running and after:
+        steps += [Step("thaw the container for the GPU restore", resume, pause), *after,
+                  Step("freeze the container again, as its engine left it", pause)]
+    else:
+        steps += after
+    return steps
 
 
 def _runc_reports(call: RuncCall) -> int:

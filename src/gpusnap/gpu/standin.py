@@ -76,6 +76,31 @@ def parse_backend(spec: str) -> Path:
     return Path(d)
 
 
+def frozen(host: HostPaths, pid: int) -> bool:
+    """Whether ``pid`` sits in a frozen cgroup (v2 ``cgroup.events``, v1 ``freezer.state``)."""
+    try:
+        lines = (host.proc / str(pid) / "cgroup").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":
+            for base in ("", "unified"):  # the unified hierarchy: alone, or beside v1 (hybrid)
+                try:
+                    if "frozen 1" in (host.sys / "fs" / "cgroup" / base / rel / "cgroup.events").read_text().splitlines():
+                        return True
+                except OSError:
+                    pass
+        elif "freezer" in controllers.split(","):
+            try:
+                if (host.sys / "fs" / "cgroup" / "freezer" / rel / "freezer.state").read_text().strip() != "THAWED":
+                    return True
+            except OSError:
+                pass
+    return False
+
+
 @dataclass
 class StandinBackend:
     state_dir: Path
@@ -151,6 +176,11 @@ class StandinBackend:
             rec = self._proc_record(token, pid)
             state = ProcessGpuState(rec["state"])
             need, after = _TRANSITIONS[call]
+            if frozen(self.host, pid):
+                # The real driver's calls are answered by the process itself: with the process
+                # frozen (an engine paused its container) they wait for ever. Fail instead.
+                self._log(call, token, pid, "FROZEN")
+                raise GpuCallError(call, pid, "the process is frozen (cgroup freezer): the CUDA driver would wait for it for ever")
             if state != need:
                 self._log(call, token, pid, f"ILLEGAL_STATE({state.value})")
                 raise GpuCallError(call, pid, f"CUDA_ERROR_ILLEGAL_STATE (process is {state.value.upper()})")

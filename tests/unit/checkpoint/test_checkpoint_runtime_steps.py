@@ -23,10 +23,12 @@ FAKE_RUNC = """#!/bin/sh
 echo "$* PATH=$PATH" >> {log}
 case " $* " in
   *" --version "*) echo "runc version 9.9.9";;
-  *" state "*) [ -e {tmp}/gone ] && exit 1; echo '{{"id":"c1","status":"running","pid":4242,"bundle":"{tmp}","annotations":'"$(cat {tmp}/annotations.json 2>/dev/null || echo '{{}}')"'}}';;
+  *" state "*) [ -e {tmp}/gone ] && exit 1; echo '{{"id":"c1","status":"'"$(cat {tmp}/status 2>/dev/null || echo running)"'","pid":4242,"bundle":"{tmp}","annotations":'"$(cat {tmp}/annotations.json 2>/dev/null || echo '{{}}')"'}}';;
   *" checkpoint "*) env | grep '^KFD_' | sort > {tmp}/criu-env.checkpoint; [ -n "$FAKE_RC" ] && {{ echo "runc: checkpoint failed" >&2; exit $FAKE_RC; }}; touch {tmp}/gone;;
   *" restore "*) env | grep '^KFD_' | sort > {tmp}/criu-env.restore; [ -e {run}/restoring/c1 ] && echo marker-present >> {log}; [ -n "$FAKE_RC" ] && exit $FAKE_RC; rm -f {tmp}/gone;;
   *" delete "*) touch {tmp}/gone;;
+  *" pause "*) echo paused > {tmp}/status; echo "EVENT pause" >> {tmp}/events;;
+  *" resume "*) echo running > {tmp}/status; echo "EVENT resume" >> {tmp}/events;;
 esac
 """
 
@@ -283,3 +285,66 @@ def test_criu_env_annotation_other_than_kfd_is_refused(rig, tmp_path: Path, raw:
     with pytest.raises(UsageError, match="gpusnap.io/criu-env"):
         restore(call(["restore", "-d", "c1"]), settings, [], RecordingPlan(events), spec={"annotations": {"gpusnap.io/criu-env": raw}})
     assert " restore " not in f" {log.read_text()} "
+
+
+class FreezeAwarePlan(RecordingPlan):
+    """Records each GPU step with the container's state as runc reports it at that moment."""
+
+    def __init__(self, events: list[str], tmp: Path, fail_checkpoint: bool = False) -> None:
+        super().__init__(events)
+        self.tmp = tmp
+        self.fail_checkpoint = fail_checkpoint
+
+    def _step(self, name: str, undo: bool = True) -> Step:
+        def state() -> str:
+            f = self.tmp / "status"
+            return f.read_text().strip() if f.exists() else "running"
+
+        def do() -> None:
+            self.events.append(f"{name} ({state()})")
+            if self.fail_checkpoint and name == "gpu checkpoint":
+                raise RuntimeError("driver failed")
+
+        return Step(name, do, (lambda: self.events.append(f"undo {name} ({state()})")) if undo else None)
+
+
+def test_paused_container_is_thawed_for_the_gpu_steps_only(rig, tmp_path: Path) -> None:
+    """containerd pauses a container before every checkpoint; the CUDA driver cannot act on a
+    frozen process, so the GPU steps run thawed, CRIU dumps it frozen, and it is left paused."""
+    settings, call, log, _ = rig
+    (tmp_path / "status").write_text("paused\n")
+    events: list[str] = []
+    assert checkpoint(call(["checkpoint", "--leave-running", "--image-path", "img", "c1"]), settings, FreezeAwarePlan(events, tmp_path)) == 0
+    assert events == ["pids 4242", "gpu lock (running)", "gpu checkpoint (running)", "gpu after dump leave_running=True (running)"]
+    verbs = [ln.split()[0] if not ln.startswith("--") else next(w for w in ln.split() if w in ("pause", "resume", "checkpoint"))
+             for ln in log.read_text().splitlines() if any(f" {v} " in f" {ln} " for v in ("pause", "resume", "checkpoint"))]
+    assert verbs == ["resume", "pause", "checkpoint", "resume", "pause"]
+    assert (tmp_path / "status").read_text().strip() == "paused"
+
+
+def test_running_container_is_not_paused_or_resumed(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    events: list[str] = []
+    assert checkpoint(call(["checkpoint", "--leave-running", "--image-path", "img", "c1"]), settings, FreezeAwarePlan(events, tmp_path)) == 0
+    assert not any(f" {v} " in f" {ln} " for ln in log.read_text().splitlines() for v in ("pause", "resume"))
+
+
+def test_failed_gpu_step_of_paused_container_leaves_it_paused_and_running_on_gpu(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    (tmp_path / "status").write_text("paused\n")
+    events: list[str] = []
+    with pytest.raises(StepFailed):
+        checkpoint(call(["checkpoint", "--image-path", "img", "c1"]), settings, FreezeAwarePlan(events, tmp_path, fail_checkpoint=True))
+    assert events == ["pids 4242", "gpu lock (running)", "gpu checkpoint (running)", "undo gpu lock (running)"]
+    assert (tmp_path / "status").read_text().strip() == "paused"
+    assert not any(" checkpoint " in f" {ln} " for ln in log.read_text().splitlines())
+
+
+def test_failed_dump_of_paused_container_undoes_gpu_steps_thawed(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    (tmp_path / "status").write_text("paused\n")
+    events: list[str] = []
+    with pytest.raises(StepFailed):
+        checkpoint(call(["checkpoint", "--image-path", "img", "c1"], FAKE_RC="3"), settings, FreezeAwarePlan(events, tmp_path))
+    assert events == ["pids 4242", "gpu lock (running)", "gpu checkpoint (running)", "undo gpu checkpoint (running)", "undo gpu lock (running)"]
+    assert (tmp_path / "status").read_text().strip() == "paused"

@@ -136,3 +136,72 @@ def test_no_remap_on_old_driver(fake, standin):
     standin.checkpoint(pid)
     with pytest.raises(UnsupportedError, match="580"):
         standin.restore(pid, {"a": "b"})
+
+
+def _cgroup_tree(tmp_path, pid: int, v2_frozen: str | None = None, v1_state: str | None = None):
+    from gpusnap.config import HostPaths
+
+    host = HostPaths(tmp_path / "host")
+    (host.proc / str(pid)).mkdir(parents=True)
+    lines = []
+    if v1_state is not None:
+        lines.append("7:freezer:/ctr/a")
+        (host.sys / "fs/cgroup/freezer/ctr/a").mkdir(parents=True)
+        (host.sys / "fs/cgroup/freezer/ctr/a/freezer.state").write_text(v1_state + "\n")
+    if v2_frozen is not None:
+        lines.append("0::/ctr/a")
+        (host.sys / "fs/cgroup/ctr/a").mkdir(parents=True)
+        (host.sys / "fs/cgroup/ctr/a/cgroup.events").write_text(f"populated 1\nfrozen {v2_frozen}\n")
+    (host.proc / str(pid) / "cgroup").write_text("\n".join(lines) + "\n")
+    return host
+
+
+@pytest.mark.parametrize(("v2", "v1", "expected"), [("1", None, True), ("0", None, False), (None, "FROZEN", True),
+                                                    (None, "FREEZING", True), (None, "THAWED", False)])
+def test_frozen_reads_the_cgroup_freezer(tmp_path, v2, v1, expected):
+    from gpusnap.gpu.standin import frozen
+
+    assert frozen(_cgroup_tree(tmp_path, 77, v2, v1), 77) is expected
+
+
+def test_calls_on_a_frozen_process_fail_instead_of_hanging(fake, standin):
+    """The real driver's calls wait for ever on a frozen process: the stand-in refuses them.
+    The process is frozen for real, in a cgroup of its own (v1 freezer, or v2 cgroup.freeze)."""
+    import os
+    import time
+    from pathlib import Path
+
+    from gpusnap.config import HostPaths
+    from gpusnap.gpu.standin import frozen
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (cgroups)")
+    pid = fake.spawn()
+    v1 = Path("/sys/fs/cgroup/freezer")
+    if (v1 / "cgroup.procs").exists():
+        home, sub, knob, on, off = v1, v1 / f"gs-standin-freeze-{os.getpid()}", "freezer.state", "FROZEN", "THAWED"
+    elif Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        rel = Path(f"/proc/{pid}/cgroup").read_text().split("0::", 1)[1].splitlines()[0].strip("/")
+        home = Path("/sys/fs/cgroup") / rel
+        sub, knob, on, off = home.parent / f"gs-standin-freeze-{os.getpid()}", "cgroup.freeze", "1", "0"
+    else:
+        pytest.skip("no cgroup freezer here")
+    sub.mkdir()
+    try:
+        (sub / "cgroup.procs").write_text(str(pid))
+        (sub / knob).write_text(on)
+        deadline = time.monotonic() + 5
+        while not frozen(HostPaths(), pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(GpuCallError, match="frozen"):
+            standin.lock(pid, 100)
+        assert standin.state(pid) == R
+        (sub / knob).write_text(off)
+        while frozen(HostPaths(), pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        standin.lock(pid, 100)
+        assert standin.state(pid) == L
+    finally:
+        (sub / knob).write_text(off)
+        (home / "cgroup.procs").write_text(str(pid))
+        sub.rmdir()
