@@ -1,0 +1,250 @@
+"""A gpusnap checkpoint artifact (taken on a podman, docker or runc-direct host) made into the
+checkpoint image a Kubernetes node restores: the reverse of :func:`gpusnap.cri.image.archive_to_image`.
+
+containerd 2.x restores a pod's container from an image whose single layer unpacks to what the
+kubelet's checkpoint archive holds. Of that, its CRI code reads ``config.dump`` (checkpointctl's
+ContainerConfig: the base image to pull by ``rootfsImageRef`` = NAME@DIGEST, a parseable
+``rootfsImageName``, ``checkpointedTime``), ``spec.dump`` (an OCI spec; only its annotations are
+read) and ``status.dump`` (a CRI ContainerStatus in JSON: name, base image, labels and
+annotations the new container takes over); its runc shim hands ``checkpoint/`` to ``runc
+restore`` and applies ``rootfs-diff.tar`` (if there) to the new root filesystem first. CRI-O
+reads the same files. A gpusnap artifact has the CRIU images and the gpusnap record; the rest is
+derived here from its config, or the conversion is refused saying what to pass:
+
+- the base image: the artifact's ``image.name`` (podman, docker), resolved to its digest in its
+  registry; a runc-direct container ran on a directory no registry holds, so ``base_image``
+  must name an image with the same files;
+- the spec: podman's ``spec.dump``, runc-direct's bundle config, or a minimal one (docker);
+- the root filesystem's changes: podman's ``rootfs-diff.tar``; a runc-direct overlay container's
+  writable layer is over a host directory and is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from gpusnap.cri.image import ANN_CRIU_ENGINE, CheckpointImage, archive_to_image, goarch
+from gpusnap.errors import IncompatibleHostError, UsageError
+
+ANN_SOURCE = "io.gpusnap.checkpoint.source"  # the artifact the image was made from (manifest digest)
+ANN_FORM = "io.gpusnap.checkpoint.form"
+RUNC_DIRECT_RECORD = "runc-direct.json"  # gpusnap.engines.runc_direct.BUNDLE_RECORD (not imported: it pulls in the engine)
+RUNC_DIRECT_UPPER = "rootfs-upper.tar"
+SKIP_FROM_PODMAN = ("config.dump",)  # rewritten in the form containerd reads
+
+
+@dataclass
+class Source:
+    """The artifact as found: its config (the conversion's input) and where it was read."""
+
+    ref: str
+    digest: str
+    config: dict[str, Any]
+    remote: bool
+
+
+def _is_remote(ref: str) -> bool:
+    first, _, rest = ref.partition("/")
+    return bool(rest) and ("." in first or ":" in first or first == "localhost")
+
+
+def _rfc3339(text: str) -> str:
+    """Go's time.Time reads RFC 3339 only; the artifact's ``created`` may have a ``+00:00``."""
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00")) if text else datetime.now(timezone.utc)
+    except ValueError:
+        dt = datetime.now(timezone.utc)
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def check_convertible(src: Source, *, base_image: str | None, arch: str | None) -> str:
+    """Refuse, from the config alone (before any layer moves), what cannot become a CRI
+    checkpoint image; returns the image's GOARCH."""
+    cfg = src.config
+    form = cfg.get("form")
+    if form not in ("criu-dir", "docker-dir", "podman-archive"):
+        raise UsageError(f"{src.ref} is not a gpusnap checkpoint (form {form!r}); name an artifact made by gpusnap checkpoint --push")
+    made_on = goarch(str(cfg.get("arch") or "")) if cfg.get("arch") else ""
+    target = arch or goarch()
+    if made_on and made_on != target:
+        raise IncompatibleHostError(f"{src.ref} is a checkpoint for {made_on} and the image would be for {target}: a node of another "
+                                    f"architecture cannot restore it; convert it for {made_on} nodes (--arch {made_on})")
+    engine = str((cfg.get("engine") or {}).get("name") or "")
+    image = str((cfg.get("image") or {}).get("name") or "")
+    if not base_image:
+        if engine in ("runc", "runc-direct") or not image:
+            raise UsageError(f"{src.ref} ran on a root filesystem directory ({image or 'unnamed'}), not a registry image; pass --base-image "
+                             "IMAGE: an image with the same files, which the node pulls as the container's root filesystem")
+    return made_on or target
+
+
+def base_image_ref(name: str, *, insecure: bool) -> tuple[str, str]:
+    """(name as the container reports it, NAME@DIGEST containerd pulls): the digest asked of
+    the image's registry unless the name carries one."""
+    from gpusnap.errors import GpusnapError
+    from gpusnap.packaging.registry import RegistryClient, RemoteRef
+
+    ref = RemoteRef.parse(name)
+    repo = f"{ref.registry}/{ref.repository}"
+    if ref.digest:
+        return (f"{repo}:{ref.tag}" if ref.tag else repo), f"{repo}@{ref.digest}"
+    try:
+        _, _, digest = RegistryClient(ref.registry, insecure=insecure).get_manifest(ref.repository, ref.reference)
+    except GpusnapError as exc:
+        raise type(exc)(f"cannot resolve the base image {name} to a digest ({exc}); pass --base-image NAME@sha256:DIGEST") from None
+    return f"{repo}:{ref.reference}", f"{repo}@{digest}"
+
+
+@contextmanager
+def _artifact_store(store_dir: Path, ref: str, *, insecure: bool, work: Path) -> Iterator[tuple[Path, str]]:
+    """(store, ref) holding the whole artifact: the user's store when it has ``ref``, else a
+    private one under ``work`` the registry's copy is pulled into (removed with ``work``, so the
+    user's store never keeps a half-converted pull)."""
+    from gpusnap.packaging import api
+
+    if api.has_checkpoint(store_dir, ref):
+        yield store_dir, ref
+        return
+    tmp = work / "store"
+    api.pull(tmp, ref, insecure=insecure)
+    yield tmp, ref
+
+
+def open_source(store_dir: Path, ref: str, *, insecure: bool) -> Source:
+    from gpusnap.packaging import api
+
+    if api.has_checkpoint(store_dir, ref):
+        from gpusnap.packaging.store import OciStore
+
+        store = OciStore(Path(store_dir))
+        desc = store.resolve(ref)
+        manifest = store.manifest(desc.digest)
+        config = json.loads(store.blob_path(manifest["config"]["digest"]).read_bytes())
+        return Source(ref, desc.digest, config, remote=False)
+    if not _is_remote(ref):
+        raise UsageError(f"{ref} is not in the local store ({store_dir}) and is not a registry reference (HOST[:PORT]/REPOSITORY:TAG)")
+    digest, _, config = api.remote_config(ref, insecure=insecure, sealed_ok=True)
+    return Source(ref, digest, config, remote=True)
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o600, int(mtime)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _add_tree(tar: tarfile.TarFile, root: Path, prefix: str, skip: tuple[str, ...] = ()) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel = Path(dirpath).relative_to(root)
+        for f in sorted(filenames):
+            if (rel / f).as_posix() in skip:
+                continue
+            p = Path(dirpath) / f
+            if p.is_symlink() or not p.is_file():
+                raise UsageError(f"checkpoint file {rel / f} is not a regular file; containerd restores only files and directories")
+            tar.add(p, arcname=f"{prefix}{(rel / f).as_posix()}", recursive=False)
+
+
+def dump_files(src: Source, *, base_name: str, base_ref: str, spec: dict[str, Any] | None) -> dict[str, bytes]:
+    """config.dump, status.dump and (if not the engine's own) spec.dump, as containerd reads them."""
+    cfg = src.config
+    name = str((cfg.get("container") or {}).get("name") or (cfg.get("container") or {}).get("id") or "checkpoint")
+    cid = str((cfg.get("container") or {}).get("id") or name)
+    created = _rfc3339(str(cfg.get("created") or ""))
+    config = {
+        "id": cid, "name": name, "rootfsImage": base_name, "rootfsImageRef": base_ref, "rootfsImageName": base_name,
+        "runtime": "io.containerd.runc.v2", "createdTime": created, "checkpointedTime": created,
+        "restoredTime": "0001-01-01T00:00:00Z", "restored": False,
+    }
+    status = {
+        "id": cid, "metadata": {"name": name}, "state": 1,
+        "image": {"image": base_name, "user_specified_image": base_name}, "image_ref": base_ref,
+        "labels": {"io.kubernetes.container.name": name}, "annotations": {},
+    }
+    out = {"config.dump": json.dumps(config).encode(), "status.dump": json.dumps(status).encode()}
+    if spec is not None:
+        out["spec.dump"] = json.dumps(spec).encode()
+    return out
+
+
+def build_layer(store_dir: Path, ref: str, src: Source, dest: Path, *, base_name: str, base_ref: str) -> Path:
+    """Write the kubelet-archive-shaped tar the checkpoint image's layer is, from the artifact
+    materialized through the packaging API."""
+    from gpusnap.packaging import api
+
+    work = dest.parent
+    form = src.config.get("form")
+    now = datetime.now(timezone.utc).timestamp()
+    with tarfile.open(dest, "w", format=tarfile.PAX_FORMAT) as out:
+        if form == "podman-archive":
+            exported = api.materialize_checkpoint(store_dir, ref, work / "podman.tar", form="podman-archive")
+            with tarfile.open(exported, "r:*") as podman:
+                names = podman.getnames()
+                if "spec.dump" not in names:
+                    raise UsageError(f"{src.ref}: its podman export has no spec.dump; take the checkpoint again with podman >= 4")
+                for m in podman:
+                    if m.name in SKIP_FROM_PODMAN or m.name == "status.dump":
+                        continue
+                    if not (m.isreg() or m.isdir()):
+                        continue  # runtimes write only files and directories; containerd drops the rest
+                    out.addfile(m, podman.extractfile(m) if m.isreg() else None)
+            for n, data in dump_files(src, base_name=base_name, base_ref=base_ref, spec=None).items():
+                _add_bytes(out, n, data, now)
+            exported.unlink()
+            return dest
+        criu = api.materialize_checkpoint(store_dir, ref, work / "criu", form="criu-dir")
+        spec: dict[str, Any] = {"ociVersion": "1.0.2", "annotations": {}}
+        record = criu / RUNC_DIRECT_RECORD
+        if record.is_file():
+            portable = json.loads(record.read_text())
+            if (criu / RUNC_DIRECT_UPPER).exists() or (portable.get("record") or {}).get("rootfs") == "overlay":
+                raise UsageError(f"{src.ref} ran on an overlay over a host directory, whose changes no image holds; "
+                                 "restore it with gpusnap restore on a host with that directory instead")
+            spec = portable.get("spec") or spec
+        for n, data in dump_files(src, base_name=base_name, base_ref=base_ref, spec=spec).items():
+            _add_bytes(out, n, data, now)
+        _add_tree(out, criu, "checkpoint/")
+    shutil.rmtree(work / "criu", ignore_errors=True)
+    return dest
+
+
+def artifact_to_image(store_dir: Path, ref: str, image_ref: str, *, base_image: str | None = None, arch: str | None = None,
+                      insecure: bool = False) -> CheckpointImage:
+    """Make the CRI checkpoint image of the gpusnap artifact ``ref`` (a tag in the store at
+    ``store_dir``, or a registry reference: pulled into a private store that is removed after),
+    tagged ``image_ref`` in ``store_dir``; push it with :func:`gpusnap.packaging.api.push`.
+
+    Refused before any layer is read: an artifact of another architecture than ``arch`` (GOARCH,
+    default this host's), one whose container ran on a directory (runc-direct) without
+    ``base_image``, an encrypted one. A base image that cannot be resolved to a digest is refused
+    before anything is written. On any failure the store is as it was."""
+    store_dir = Path(store_dir)
+    src = open_source(store_dir, ref, insecure=insecure)
+    image_arch = check_convertible(src, base_image=base_image, arch=arch)
+    base_name, base_ref = base_image_ref(base_image or str(src.config["image"]["name"]), insecure=insecure)
+    store_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".cri-image-", dir=store_dir.parent))
+    try:
+        with _artifact_store(store_dir, ref, insecure=insecure, work=work) as (sdir, sref):
+            name = str((src.config.get("container") or {}).get("name") or "checkpoint")
+            (work / "layer").mkdir()
+            layer = build_layer(sdir, sref, src, work / "layer" / f"checkpoint-{name}.tar", base_name=base_name, base_ref=base_ref)
+            return archive_to_image(store_dir, layer, image_ref, arch=image_arch,
+                                    extra_annotations={ANN_SOURCE: src.digest, ANN_FORM: str(src.config.get("form") or ""),
+                                                       ANN_CRIU_ENGINE: str((src.config.get("engine") or {}).get("name") or "")})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
