@@ -53,6 +53,8 @@ def register(app: typer.Typer) -> None:
                                                           help="Instead of an archive: a gpusnap checkpoint (a local tag or HOST[:PORT]/REPO:TAG) taken with podman, docker or runc-direct.")] = None,
         base_image: Annotated[str | None, typer.Option("--base-image", metavar="IMAGE",
                                                        help="With --from-artifact: the image the node pulls as the container's root filesystem (default: the checkpoint's own image; required for runc-direct).")] = None,
+        cri_runtime: Annotated[str, typer.Option("--cri-runtime", metavar="containerd|cri-o",
+                                                 help="With --from-artifact: the nodes' runtime (containerd pulls the base image by digest; CRI-O needs it on the node).")] = "containerd",
         push: Annotated[str | None, typer.Option("--push", help="Push the checkpoint image to this reference, e.g. registry.example.com/ckpt/app:1.")] = None,
         tag: Annotated[str | None, typer.Option("--tag", help="Its tag in the local store (default: from the archive's or artifact's name).")] = None,
         arch: Annotated[str | None, typer.Option("--arch", help="GOARCH of the image (default: the checkpoint's, else this host's; with --from-artifact: this host's, and it must be the checkpoint's).")] = None,
@@ -68,12 +70,14 @@ def register(app: typer.Typer) -> None:
             raise UsageError("cri-image takes exactly one of ARCHIVE (a kubelet checkpoint archive) and --from-artifact REF (a gpusnap checkpoint)")
         if base_image and from_artifact is None:
             raise UsageError("--base-image goes with --from-artifact (a kubelet archive names its base image itself)")
+        if cri_runtime != "containerd" and from_artifact is None:
+            raise UsageError("--cri-runtime goes with --from-artifact (a kubelet archive is already in its runtime's form)")
         if from_artifact is not None:
             from gpusnap.cri.from_artifact import artifact_to_image
 
             base = from_artifact.rsplit("/", 1)[-1].split("@")[0].replace(":", "-").lower()
             image = artifact_to_image(c.settings.store_dir, from_artifact, tag or f"cri/{base}:latest", base_image=base_image, arch=arch,
-                                      insecure=insecure)
+                                      insecure=insecure, runtime=cri_runtime)
         else:
             from gpusnap.cri.image import archive_to_image
 

@@ -41,7 +41,9 @@ ANN_SOURCE = "io.gpusnap.checkpoint.source"  # the artifact the image was made f
 ANN_FORM = "io.gpusnap.checkpoint.form"
 RUNC_DIRECT_RECORD = "runc-direct.json"  # gpusnap.engines.runc_direct.BUNDLE_RECORD (not imported: it pulls in the engine)
 RUNC_DIRECT_UPPER = "rootfs-upper.tar"
-SKIP_FROM_PODMAN = ("config.dump",)  # rewritten in the form containerd reads
+SKIP_FROM_PODMAN = ("config.dump", "spec.dump", "status.dump")  # rewritten in the form the CRI runtimes read
+CRIO_SPEC_ANNOTATIONS = "io.kubernetes.cri-o.Annotations"
+RUNTIMES = ("containerd", "cri-o")
 
 
 @dataclass
@@ -91,21 +93,47 @@ def check_convertible(src: Source, *, base_image: str | None, arch: str | None) 
     return made_on or target
 
 
-def base_image_ref(name: str, *, insecure: bool) -> tuple[str, str]:
-    """(name as the container reports it, NAME@DIGEST containerd pulls): the digest asked of
-    the image's registry unless the name carries one."""
+@dataclass
+class BaseImage:
+    name: str  # as the restored container reports it (status.dump, rootfsImageName)
+    ref: str  # NAME@DIGEST of its manifest (or index): what containerd pulls
+    image_id: str  # hex of its config digest for ``arch``: CRI-O's local image ID
+
+
+def resolve_base_image(name: str, *, arch: str, insecure: bool, need_id: bool = True) -> BaseImage:
+    """The base image's digest and, for the node's architecture, its image ID, asked of its
+    registry (two small requests; an index costs one more). Nothing is pulled. A name with a
+    digest needs no registry unless the image ID is asked for (``need_id``: CRI-O)."""
     from gpusnap.errors import GpusnapError
     from gpusnap.packaging.registry import RegistryClient, RemoteRef
+    from gpusnap.packaging.store import MEDIA_DOCKER_LIST, MEDIA_OCI_INDEX
 
     ref = RemoteRef.parse(name)
     repo = f"{ref.registry}/{ref.repository}"
-    if ref.digest:
-        return (f"{repo}:{ref.tag}" if ref.tag else repo), f"{repo}@{ref.digest}"
+    shown = f"{repo}:{ref.tag}" if ref.tag else repo
+    if ref.digest and not need_id:
+        return BaseImage(shown, f"{repo}@{ref.digest}", "")
     try:
-        _, _, digest = RegistryClient(ref.registry, insecure=insecure).get_manifest(ref.repository, ref.reference)
+        client = RegistryClient(ref.registry, insecure=insecure)
+        data, media, digest = client.get_manifest(ref.repository, ref.reference)
+        manifest = json.loads(data)
+        if media in (MEDIA_OCI_INDEX, MEDIA_DOCKER_LIST) or "manifests" in manifest:
+            picked = [m for m in manifest.get("manifests", []) if (m.get("platform") or {}).get("architecture") == arch
+                      and (m.get("platform") or {}).get("os", "linux") == "linux"]
+            if not picked:
+                raise UsageError(f"the base image {name} has no linux/{arch} image; pass an image for the checkpoint's architecture")
+            data, _, _ = client.get_manifest(ref.repository, picked[0]["digest"])
+            manifest = json.loads(data)
+        config_digest = str((manifest.get("config") or {}).get("digest") or "")
+    except UsageError:
+        raise
     except GpusnapError as exc:
-        raise type(exc)(f"cannot resolve the base image {name} to a digest ({exc}); pass --base-image NAME@sha256:DIGEST") from None
-    return f"{repo}:{ref.reference}", f"{repo}@{digest}"
+        raise type(exc)(f"cannot resolve the base image {name} to a digest ({exc}); check the name, or pass --base-image") from None
+    except (ValueError, AttributeError):
+        raise UsageError(f"the base image {name} has no readable manifest; pass another --base-image") from None
+    if not config_digest.startswith("sha256:"):
+        raise UsageError(f"the base image {name} is not a container image (its manifest has no config); pass another --base-image")
+    return BaseImage(shown, f"{repo}@{digest}", config_digest.removeprefix("sha256:"))
 
 
 @contextmanager
@@ -159,29 +187,36 @@ def _add_tree(tar: tarfile.TarFile, root: Path, prefix: str, skip: tuple[str, ..
             tar.add(p, arcname=f"{prefix}{(rel / f).as_posix()}", recursive=False)
 
 
-def dump_files(src: Source, *, base_name: str, base_ref: str, spec: dict[str, Any] | None) -> dict[str, bytes]:
-    """config.dump, status.dump and (if not the engine's own) spec.dump, as containerd reads them."""
+def dump_files(src: Source, base: BaseImage, spec: dict[str, Any] | None, *, runtime: str = "containerd") -> dict[str, bytes]:
+    """config.dump, status.dump and (``spec`` given) spec.dump, as ``runtime`` reads them.
+
+    The one field the two read differently is ``rootfsImageRef``: containerd pulls it
+    (NAME@DIGEST), CRI-O takes it as the ID of an image already on the node. CRI-O also needs
+    the spec annotation ``io.kubernetes.cri-o.Annotations`` (the original CRI annotations, JSON)."""
     cfg = src.config
     name = str((cfg.get("container") or {}).get("name") or (cfg.get("container") or {}).get("id") or "checkpoint")
     cid = str((cfg.get("container") or {}).get("id") or name)
     created = _rfc3339(str(cfg.get("created") or ""))
     config = {
-        "id": cid, "name": name, "rootfsImage": base_name, "rootfsImageRef": base_ref, "rootfsImageName": base_name,
+        "id": cid, "name": name, "rootfsImage": base.name, "rootfsImageName": base.name,
+        "rootfsImageRef": base.image_id if runtime == "cri-o" else base.ref,
         "runtime": "io.containerd.runc.v2", "createdTime": created, "checkpointedTime": created,
         "restoredTime": "0001-01-01T00:00:00Z", "restored": False,
     }
     status = {
         "id": cid, "metadata": {"name": name}, "state": 1,
-        "image": {"image": base_name, "user_specified_image": base_name}, "image_ref": base_ref,
+        "image": {"image": base.name, "user_specified_image": base.name}, "image_ref": base.ref,
         "labels": {"io.kubernetes.container.name": name}, "annotations": {},
     }
     out = {"config.dump": json.dumps(config).encode(), "status.dump": json.dumps(status).encode()}
     if spec is not None:
-        out["spec.dump"] = json.dumps(spec).encode()
+        ann = dict(spec.get("annotations") or {})
+        ann.setdefault(CRIO_SPEC_ANNOTATIONS, "{}")
+        out["spec.dump"] = json.dumps({**spec, "annotations": ann}).encode()
     return out
 
 
-def build_layer(store_dir: Path, ref: str, src: Source, dest: Path, *, base_name: str, base_ref: str) -> Path:
+def build_layer(store_dir: Path, ref: str, src: Source, dest: Path, base: BaseImage, *, runtime: str = "containerd") -> Path:
     """Write the kubelet-archive-shaped tar the checkpoint image's layer is, from the artifact
     materialized through the packaging API."""
     from gpusnap.packaging import api
@@ -192,17 +227,20 @@ def build_layer(store_dir: Path, ref: str, src: Source, dest: Path, *, base_name
     with tarfile.open(dest, "w", format=tarfile.PAX_FORMAT) as out:
         if form == "podman-archive":
             exported = api.materialize_checkpoint(store_dir, ref, work / "podman.tar", form="podman-archive")
+            spec: dict[str, Any] | None = None
             with tarfile.open(exported, "r:*") as podman:
-                names = podman.getnames()
-                if "spec.dump" not in names:
-                    raise UsageError(f"{src.ref}: its podman export has no spec.dump; take the checkpoint again with podman >= 4")
                 for m in podman:
-                    if m.name in SKIP_FROM_PODMAN or m.name == "status.dump":
+                    if m.name == "spec.dump" and m.isreg():
+                        f = podman.extractfile(m)
+                        spec = json.loads(f.read()) if f else None
+                    if m.name in SKIP_FROM_PODMAN:
                         continue
                     if not (m.isreg() or m.isdir()):
                         continue  # runtimes write only files and directories; containerd drops the rest
                     out.addfile(m, podman.extractfile(m) if m.isreg() else None)
-            for n, data in dump_files(src, base_name=base_name, base_ref=base_ref, spec=None).items():
+            if not isinstance(spec, dict):
+                raise UsageError(f"{src.ref}: its podman export has no readable spec.dump; take the checkpoint again")
+            for n, data in dump_files(src, base, spec, runtime=runtime).items():
                 _add_bytes(out, n, data, now)
             exported.unlink()
             return dest
@@ -215,7 +253,7 @@ def build_layer(store_dir: Path, ref: str, src: Source, dest: Path, *, base_name
                 raise UsageError(f"{src.ref} ran on an overlay over a host directory, whose changes no image holds; "
                                  "restore it with gpusnap restore on a host with that directory instead")
             spec = portable.get("spec") or spec
-        for n, data in dump_files(src, base_name=base_name, base_ref=base_ref, spec=spec).items():
+        for n, data in dump_files(src, base, spec, runtime=runtime).items():
             _add_bytes(out, n, data, now)
         _add_tree(out, criu, "checkpoint/")
     shutil.rmtree(work / "criu", ignore_errors=True)
@@ -223,26 +261,30 @@ def build_layer(store_dir: Path, ref: str, src: Source, dest: Path, *, base_name
 
 
 def artifact_to_image(store_dir: Path, ref: str, image_ref: str, *, base_image: str | None = None, arch: str | None = None,
-                      insecure: bool = False) -> CheckpointImage:
+                      insecure: bool = False, runtime: str = "containerd") -> CheckpointImage:
     """Make the CRI checkpoint image of the gpusnap artifact ``ref`` (a tag in the store at
     ``store_dir``, or a registry reference: pulled into a private store that is removed after),
     tagged ``image_ref`` in ``store_dir``; push it with :func:`gpusnap.packaging.api.push`.
 
     Refused before any layer is read: an artifact of another architecture than ``arch`` (GOARCH,
     default this host's), one whose container ran on a directory (runc-direct) without
-    ``base_image``, an encrypted one. A base image that cannot be resolved to a digest is refused
+    ``base_image``. ``runtime``: ``containerd`` (pulls the base image by digest) or ``cri-o``
+    (expects it on the node, by image ID). A base image that cannot be resolved to a digest is refused
     before anything is written. On any failure the store is as it was."""
+    if runtime not in RUNTIMES:
+        raise UsageError(f"unknown CRI runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
     store_dir = Path(store_dir)
     src = open_source(store_dir, ref, insecure=insecure)
     image_arch = check_convertible(src, base_image=base_image, arch=arch)
-    base_name, base_ref = base_image_ref(base_image or str(src.config["image"]["name"]), insecure=insecure)
+    base = resolve_base_image(base_image or str(src.config["image"]["name"]), arch=image_arch, insecure=insecure,
+                              need_id=runtime == "cri-o")
     store_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".cri-image-", dir=store_dir.parent))
     try:
         with _artifact_store(store_dir, ref, insecure=insecure, work=work) as (sdir, sref):
             name = str((src.config.get("container") or {}).get("name") or "checkpoint")
             (work / "layer").mkdir()
-            layer = build_layer(sdir, sref, src, work / "layer" / f"checkpoint-{name}.tar", base_name=base_name, base_ref=base_ref)
+            layer = build_layer(sdir, sref, src, work / "layer" / f"checkpoint-{name}.tar", base, runtime=runtime)
             return archive_to_image(store_dir, layer, image_ref, arch=image_arch,
                                     extra_annotations={ANN_SOURCE: src.digest, ANN_FORM: str(src.config.get("form") or ""),
                                                        ANN_CRIU_ENGINE: str((src.config.get("engine") or {}).get("name") or "")})
