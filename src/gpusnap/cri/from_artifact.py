@@ -44,6 +44,10 @@ RUNC_DIRECT_UPPER = "rootfs-upper.tar"
 SKIP_FROM_PODMAN = ("config.dump", "spec.dump", "status.dump")  # rewritten in the form the CRI runtimes read
 CRIO_SPEC_ANNOTATIONS = "io.kubernetes.cri-o.Annotations"
 RUNTIMES = ("containerd", "cri-o")
+# Bind mounts an engine makes that a containerd container never has. runc restore maps only the
+# new spec's bind mounts for CRIU, so a dumped one without a counterpart fails the restore late,
+# inside CRIU: refused here instead. (CRI-O makes /run/.containerenv in its containers too.)
+ENGINE_ONLY_BINDS = ("/run/.containerenv",)
 
 
 @dataclass
@@ -216,6 +220,17 @@ def dump_files(src: Source, base: BaseImage, spec: dict[str, Any] | None, *, run
     return out
 
 
+def check_binds(src: Source, spec: dict[str, Any], runtime: str) -> None:
+    if runtime != "containerd":
+        return
+    binds = [str(m.get("destination")) for m in spec.get("mounts") or []
+             if isinstance(m, dict) and (m.get("type") == "bind" or "bind" in (m.get("options") or []) or "rbind" in (m.get("options") or []))]
+    missing = [b for b in binds if b in ENGINE_ONLY_BINDS]
+    if missing:
+        raise UsageError(f"{src.ref} had the bind mount {', '.join(missing)}, which a containerd container never has, so CRIU cannot "
+                         "restore it there; restore it with gpusnap restore (podman), or convert it for CRI-O nodes (--cri-runtime cri-o)")
+
+
 def build_layer(store_dir: Path, ref: str, src: Source, dest: Path, base: BaseImage, *, runtime: str = "containerd") -> Path:
     """Write the kubelet-archive-shaped tar the checkpoint image's layer is, from the artifact
     materialized through the packaging API."""
@@ -240,6 +255,7 @@ def build_layer(store_dir: Path, ref: str, src: Source, dest: Path, base: BaseIm
                     out.addfile(m, podman.extractfile(m) if m.isreg() else None)
             if not isinstance(spec, dict):
                 raise UsageError(f"{src.ref}: its podman export has no readable spec.dump; take the checkpoint again")
+            check_binds(src, spec, runtime)
             for n, data in dump_files(src, base, spec, runtime=runtime).items():
                 _add_bytes(out, n, data, now)
             exported.unlink()

@@ -7,6 +7,8 @@ with the GPU stand-in too; and artifacts a node cannot take refused with nothing
 from __future__ import annotations
 
 import json
+import subprocess
+import tarfile
 import shutil
 import time
 import uuid
@@ -17,6 +19,7 @@ import pytest
 from gpusnap.cri.client import CriError
 from gpusnap.errors import ExitCode
 from gpusnap.packaging import api
+from gpusnap.packaging.registry import RegistryClient
 from gpusnap.packaging.store import OciStore
 
 from .conftest import GPU_COUNTER, H200, Kubelet, processes_with, standin_gpus, wait_numbers
@@ -144,3 +147,39 @@ def test_gpu_standin_artifact_restored_as_a_pod_and_refusals(node: Kubelet, tmp_
     assert got[0] == last + 1 and got == list(range(got[0], got[0] + len(got))), (last, got)
     assert [c.split()[0] for c in (node.standin / "calls.log").read_text().splitlines()] == [*calls, "restore", "unlock"]
     assert len(processes_with(f"GPUSNAP_STANDIN_CUDA={token}")) == 1
+
+
+def test_podman_artifact_refused_for_containerd_and_made_for_crio(node: Kubelet) -> None:
+    """A podman container has podman's /run/.containerenv bind mount, which no containerd container
+    has: refused for containerd with the reason, before anything is stored. For CRI-O (which has
+    one) the image is made, in CRI-O's form: the base image by its image ID."""
+    reg = node.registry.host
+    name = f"gs-cri-pm-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["podman", "run", "--runtime", "runc", "-d", "--name", name, "localhost/gpusnap-busybox:latest", "sh", "-c", COUNTER],
+                   check=True, capture_output=True)
+    artifact = f"{reg}/gpusnap/podman-counter:1"
+    try:
+        gs(node, "checkpoint", name, "--push", artifact, "--insecure")
+    finally:
+        subprocess.run(["podman", "rm", "-f", "-t", "0", name], capture_output=True)
+    store = node.base / "cli-store"
+    tags = sorted(t.ref for t in OciStore(store).tags())
+    line = one_line_error(gs(node, "cri-image", "--from-artifact", artifact, "--base-image", node.image, "--push", f"{reg}/ckpt/pm:1",
+                             "--insecure", check=False), ExitCode.USAGE)
+    assert "had the bind mount /run/.containerenv, which a containerd container never has" in line, line
+    assert sorted(t.ref for t in OciStore(store).tags()) == tags and not node.registry.has_tag("ckpt/pm", "1") and not leftovers(node)
+
+    out = json.loads(gs(node, "cri-image", "--from-artifact", artifact, "--base-image", node.image, "--cri-runtime", "cri-o",
+                        "--tag", "cri/pm-crio:1", "--insecure", "--json").stdout)
+    assert out["annotations"]["io.kubernetes.cri-o.annotations.checkpoint.name"] == name
+    s = OciStore(store)
+    manifest = s.manifest(s.resolve("cri/pm-crio:1").digest)
+    with tarfile.open(s.blob_path(manifest["layers"][0]["digest"])) as tar:
+        names = set(tar.getnames())
+        config = json.loads(tar.extractfile("config.dump").read())  # type: ignore[union-attr]
+        spec = json.loads(tar.extractfile("spec.dump").read())  # type: ignore[union-attr]
+    assert {"checkpoint/inventory.img", "spec.dump", "status.dump"} <= names
+    data, _, _ = RegistryClient(reg, insecure=True).get_manifest("library/busybox", "1")
+    assert config["rootfsImageRef"] == json.loads(data)["config"]["digest"].removeprefix("sha256:"), "CRI-O: the node's image ID"
+    assert config["rootfsImageName"] == node.image and spec["annotations"]["io.kubernetes.cri-o.Annotations"]
+    assert "/run/.containerenv" in [m["destination"] for m in spec["mounts"]], "podman's own spec is kept"

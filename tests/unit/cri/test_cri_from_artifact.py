@@ -117,3 +117,14 @@ def test_podman_artifact_uses_its_own_image_name() -> None:
     assert check_convertible(Source("r", DIGEST, cfg, remote=False), base_image=None, arch="amd64") == "amd64"
     with pytest.raises(UsageError, match="not a gpusnap checkpoint"):
         check_convertible(Source("r", DIGEST, {**cfg, "form": "oci-image"}, remote=False), base_image=None, arch="amd64")
+
+
+def test_podman_bind_mount_without_a_containerd_counterpart_is_refused() -> None:
+    from gpusnap.cri.from_artifact import check_binds
+
+    src = Source("reg/pm:1", DIGEST, {}, remote=True)
+    spec = {"mounts": [{"destination": "/etc/hosts", "type": "bind"}, {"destination": "/run/.containerenv", "type": "bind"}]}
+    with pytest.raises(UsageError, match=r"bind mount /run/\.containerenv, which a containerd container never has"):
+        check_binds(src, spec, "containerd")
+    check_binds(src, spec, "cri-o")  # CRI-O makes one in its containers
+    check_binds(src, {"mounts": [{"destination": "/etc/hosts", "type": "bind"}]}, "containerd")
