@@ -155,6 +155,14 @@ def _artifact_store(store_dir: Path, ref: str, *, insecure: bool, work: Path) ->
     yield tmp, ref
 
 
+def _refuse_encrypted(ref: str, manifest: dict[str, Any]) -> None:
+    from gpusnap.packaging.encrypted import is_encrypted_manifest
+
+    if is_encrypted_manifest(manifest):
+        raise UsageError(f"{ref} is encrypted and a checkpoint image cannot be (containerd unpacks it as it is); restore it with "
+                         "gpusnap restore --decrypt-key, or checkpoint without --encrypt for Kubernetes")
+
+
 def open_source(store_dir: Path, ref: str, *, insecure: bool) -> Source:
     from gpusnap.packaging import api
 
@@ -164,11 +172,13 @@ def open_source(store_dir: Path, ref: str, *, insecure: bool) -> Source:
         store = OciStore(Path(store_dir))
         desc = store.resolve(ref)
         manifest = store.manifest(desc.digest)
+        _refuse_encrypted(ref, manifest)
         config = json.loads(store.blob_path(manifest["config"]["digest"]).read_bytes())
         return Source(ref, desc.digest, config, remote=False)
     if not _is_remote(ref):
         raise UsageError(f"{ref} is not in the local store ({store_dir}) and is not a registry reference (HOST[:PORT]/REPOSITORY:TAG)")
-    digest, _, config = api.remote_config(ref, insecure=insecure, sealed_ok=True)
+    digest, manifest, config = api.remote_config(ref, insecure=insecure, sealed_ok=True)
+    _refuse_encrypted(ref, manifest)
     return Source(ref, digest, config, remote=True)
 
 

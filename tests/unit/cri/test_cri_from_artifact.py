@@ -128,3 +128,16 @@ def test_podman_bind_mount_without_a_containerd_counterpart_is_refused() -> None
         check_binds(src, spec, "containerd")
     check_binds(src, spec, "cri-o")  # CRI-O makes one in its containers
     check_binds(src, {"mounts": [{"destination": "/etc/hosts", "type": "bind"}]}, "containerd")
+
+
+def test_encrypted_artifact_is_refused(tmp_path: Path) -> None:
+    import os
+
+    from gpusnap.packaging import crypto
+
+    store = tmp_path / "store"
+    api.store_checkpoint(store, criu_dir(tmp_path), form="criu-dir", ref="local/enc:1",
+                         encryption=crypto.EncryptionConfig(master=crypto.MasterKey(os.urandom(32))))
+    with pytest.raises(UsageError, match="is encrypted and a checkpoint image cannot be"):
+        artifact_to_image(store, "local/enc:1", "cri/enc:1", base_image=BASE, arch="amd64")
+    assert state(store) == (["local/enc:1"], [])
