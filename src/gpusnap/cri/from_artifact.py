@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.cri.image import ANN_CRIU_ENGINE, CheckpointImage, archive_to_image, goarch
-from gpusnap.errors import IncompatibleHostError, UsageError
+from gpusnap.errors import IncompatibleHostError, IntegrityError, UsageError
 
 ANN_SOURCE = "io.gpusnap.checkpoint.source"  # the artifact the image was made from (manifest digest)
 ANN_FORM = "io.gpusnap.checkpoint.form"
@@ -141,7 +141,7 @@ def resolve_base_image(name: str, *, arch: str, insecure: bool, need_id: bool = 
 
 
 @contextmanager
-def _artifact_store(store_dir: Path, ref: str, *, insecure: bool, work: Path) -> Iterator[tuple[Path, str]]:
+def _artifact_store(store_dir: Path, ref: str, digest: str, *, insecure: bool, work: Path) -> Iterator[tuple[Path, str]]:
     """(store, ref) holding the whole artifact: the user's store when it has ``ref``, else a
     private one under ``work`` the registry's copy is pulled into (removed with ``work``, so the
     user's store never keeps a half-converted pull)."""
@@ -152,6 +152,10 @@ def _artifact_store(store_dir: Path, ref: str, *, insecure: bool, work: Path) ->
         return
     tmp = work / "store"
     api.pull(tmp, ref, insecure=insecure)
+    from gpusnap.packaging.store import OciStore
+
+    if OciStore(tmp).resolve(ref).digest != digest:
+        raise IntegrityError(f"{ref} changed in the registry while it was converted (the tag moved); run the conversion again")
     yield tmp, ref
 
 
@@ -307,7 +311,7 @@ def artifact_to_image(store_dir: Path, ref: str, image_ref: str, *, base_image: 
     store_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".cri-image-", dir=store_dir.parent))
     try:
-        with _artifact_store(store_dir, ref, insecure=insecure, work=work) as (sdir, sref):
+        with _artifact_store(store_dir, ref, src.digest, insecure=insecure, work=work) as (sdir, sref):
             name = str((src.config.get("container") or {}).get("name") or "checkpoint")
             (work / "layer").mkdir()
             layer = build_layer(sdir, sref, src, work / "layer" / f"checkpoint-{name}.tar", base, runtime=runtime)
