@@ -48,20 +48,42 @@ def register(app: typer.Typer) -> None:
     @app.command("cri-image")
     def cri_image(
         ctx: typer.Context,
-        archive: Annotated[Path, typer.Argument(help="A kubelet checkpoint archive (/var/lib/kubelet/checkpoints/checkpoint-*.tar).")],
+        archive: Annotated[Path | None, typer.Argument(help="A kubelet checkpoint archive (/var/lib/kubelet/checkpoints/checkpoint-*.tar).")] = None,
+        from_artifact: Annotated[str | None, typer.Option("--from-artifact", metavar="REF",
+                                                          help="Instead of an archive: a gpusnap checkpoint (a local tag or HOST[:PORT]/REPO:TAG) taken with podman, docker or runc-direct.")] = None,
+        base_image: Annotated[str | None, typer.Option("--base-image", metavar="IMAGE",
+                                                       help="With --from-artifact: the image the node pulls as the container's root filesystem (default: the checkpoint's own image; required for runc-direct).")] = None,
+        cri_runtime: Annotated[str, typer.Option("--cri-runtime", metavar="containerd|cri-o",
+                                                 help="With --from-artifact: the nodes' runtime (containerd pulls the base image by digest; CRI-O needs it on the node).")] = "containerd",
         push: Annotated[str | None, typer.Option("--push", help="Push the checkpoint image to this reference, e.g. registry.example.com/ckpt/app:1.")] = None,
-        tag: Annotated[str | None, typer.Option("--tag", help="Its tag in the local store (default: from the archive's name).")] = None,
-        arch: Annotated[str | None, typer.Option("--arch", help="GOARCH of the image (default: the checkpoint's, else this host's).")] = None,
+        tag: Annotated[str | None, typer.Option("--tag", help="Its tag in the local store (default: from the archive's or artifact's name).")] = None,
+        arch: Annotated[str | None, typer.Option("--arch", help="GOARCH of the image (default: the checkpoint's, else this host's; with --from-artifact: this host's, and it must be the checkpoint's).")] = None,
         insecure: Annotated[bool, typer.Option("--insecure", help="Allow a plain-HTTP registry.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     ) -> None:
-        """Turn a kubelet checkpoint archive into a checkpoint image that containerd 2.x and CRI-O restore."""
+        """Turn a kubelet checkpoint archive, or a gpusnap checkpoint (--from-artifact), into a checkpoint image that containerd 2.x and CRI-O restore."""
         from gpusnap.cli.context import get_ctx
-        from gpusnap.cri.image import archive_to_image
+        from gpusnap.errors import UsageError
 
         c = get_ctx(ctx)
-        local = tag or f"cri/{archive.name.removesuffix('.tar').removesuffix('.gz').lower()}:latest"
-        image = archive_to_image(c.settings.store_dir, archive, local, arch=arch)
+        if (archive is None) == (from_artifact is None):
+            raise UsageError("cri-image takes exactly one of ARCHIVE (a kubelet checkpoint archive) and --from-artifact REF (a gpusnap checkpoint)")
+        if base_image and from_artifact is None:
+            raise UsageError("--base-image goes with --from-artifact (a kubelet archive names its base image itself)")
+        if cri_runtime != "containerd" and from_artifact is None:
+            raise UsageError("--cri-runtime goes with --from-artifact (a kubelet archive is already in its runtime's form)")
+        if from_artifact is not None:
+            from gpusnap.cri.from_artifact import artifact_to_image
+
+            base = from_artifact.rsplit("/", 1)[-1].split("@")[0].replace(":", "-").lower()
+            image = artifact_to_image(c.settings.store_dir, from_artifact, tag or f"cri/{base}:latest", base_image=base_image, arch=arch,
+                                      insecure=insecure, runtime=cri_runtime)
+        else:
+            from gpusnap.cri.image import archive_to_image
+
+            assert archive is not None
+            local = tag or f"cri/{archive.name.removesuffix('.tar').removesuffix('.gz').lower()}:latest"
+            image = archive_to_image(c.settings.store_dir, archive, local, arch=arch)
         pushed = ""
         if push:
             from gpusnap.packaging.api import push as push_image

@@ -198,13 +198,15 @@ class CheckpointImage:
     annotations: dict[str, str]
 
 
-def archive_to_image(store_dir: Path, archive_path: Path, image_ref: str, *, arch: str | None = None) -> CheckpointImage:
+def archive_to_image(store_dir: Path, archive_path: Path, image_ref: str, *, arch: str | None = None,
+                     extra_annotations: dict[str, str] | None = None) -> CheckpointImage:
     """Store a kubelet checkpoint archive as a checkpoint image (tag ``image_ref`` in the gpusnap
     store at ``store_dir``); ``gpusnap push`` (or :func:`gpusnap.packaging.api.push`) uploads it.
 
     The archive itself becomes the one uncompressed layer, byte for byte when it is a plain tar
     (its digest is then also its diff ID); the runtimes unpack that layer and read it exactly as
-    they would the archive. ``arch`` (GOARCH) defaults to the checkpoint's, else this host's."""
+    they would the archive. ``arch`` (GOARCH) defaults to the checkpoint's, else this host's.
+    ``extra_annotations`` are added to (and override) those read from the archive."""
     from gpusnap.packaging.store import (
         MEDIA_OCI_MANIFEST,
         Descriptor,
@@ -214,7 +216,7 @@ def archive_to_image(store_dir: Path, archive_path: Path, image_ref: str, *, arc
 
     archive = read_archive(Path(archive_path))
     image_ref = normalize_ref(image_ref)
-    annotations = image_annotations(archive)
+    annotations = {k: v for k, v in {**image_annotations(archive), **(extra_annotations or {})}.items() if v}
     store = OciStore(Path(store_dir))
     with store.writing():
         w = store.writer()
