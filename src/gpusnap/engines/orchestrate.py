@@ -203,11 +203,15 @@ def _store_recovered(settings: Settings, api: Any, record: workdirs.WorkRecord) 
     stored = api.store_checkpoint(settings.store_dir, path, form=record.form, ref=ref, metadata=meta)
     if taken:
         # Killed after its tag landed but before it said so: the same checkpoint is there already.
-        existing = {row["ref"]: row["digest"] for row in api.list_checkpoints(settings.store_dir)}
-        if stored.digest in (existing.get(wanted), existing.get(f"{wanted}:latest")):
+        # (The manifests differ by their creation time: compare what they hold.)
+        if _content(api.inspect(settings.store_dir, wanted)) == _content(api.inspect(settings.store_dir, ref)):
             api.remove(settings.store_dir, ref)
             return wanted
     return str(stored.ref)
+
+
+def _content(info: Any) -> tuple[Any, ...]:
+    return (info.form, info.created, info.container, [(layer.digest, layer.size, layer.file) for layer in info.layers])
 
 
 def _container_running(settings: Settings, record: workdirs.WorkRecord) -> bool | None:
