@@ -219,3 +219,19 @@ def test_the_notice_for_a_kept_dir_says_how_to_import_it(tmp_path: Path) -> None
     line = orchestrate._recovery_notice(workdirs.Swept(work, record, workdirs.Verdict("keep", "web is gone")))
     assert f"gpusnap import {record.checkpoint} REF" in line and "\n" not in line
     assert json.loads((work / workdirs.RECORD).read_text())["stage"] == STARTED
+
+
+def test_a_failed_rollback_keeps_the_only_copy(tmp_path: Path) -> None:
+    """The checkpoint stopped the container and bringing it back failed (exit 11): the work dir
+    stays for the next run to store; a rollback that worked, or a --leave-running one, does not."""
+    from gpusnap.errors import ExitCode
+    from gpusnap.steps import StepFailed
+
+    work, record = _work(tmp_path, os.getpid(), stage=DESCRIBED)
+    failed = StepFailed(step="push the checkpoint", cause=OSError("registry gone"), undo_errors=[("checkpoint", OSError("restore failed"))])
+    assert orchestrate._lost_without(work, record, failed)
+    assert failed.exit_code == ExitCode.ROLLBACK_FAILED and f"stays in {work}" in str(failed)
+    rolled_back = StepFailed(step="push the checkpoint", cause=OSError("registry gone"), undone=["store the checkpoint", "checkpoint"])
+    assert not orchestrate._lost_without(work, record, rolled_back)
+    record.leave_running = True
+    assert not orchestrate._lost_without(work, record, StepFailed(step="x", cause=OSError("y"), undo_errors=[("checkpoint", OSError("z"))]))
