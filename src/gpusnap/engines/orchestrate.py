@@ -171,11 +171,9 @@ def recover_interrupted(settings: Settings, notice: Progress = _quiet) -> list[w
     base = settings.state_dir / "tmp"
     if not base.is_dir():
         return []
-    try:
-        api: Any = packaging_api()
-    except MissingDependencyError:
-        api = None
-    recover = (lambda work, record: _store_recovered(settings, api, record)) if api is not None else None
+    # packaging_api() only when there is something to store (a build without packaging keeps
+    # the dir and the notice says how to import it elsewhere).
+    recover = lambda work, record: _store_recovered(settings, packaging_api(), record)  # noqa: E731
     done = workdirs.sweep(base, recover=recover, container_running=lambda record: _container_running(settings, record))
     for swept in done:
         line = _recovery_notice(swept)

@@ -156,9 +156,13 @@ def sweep(base: Path, *, recover: Callable[[Path, WorkRecord], str] | None,
                 except Exception as exc:  # noqa: BLE001 - kept, told, tried again next run
                     done.append(Swept(work, record, Verdict("keep", f"storing it failed: {exc}")))
                     continue
-                # The stored copy is tagged before the spare one goes.
+                # Tagged now: the work dir is a spare copy. Said in its record first, so a run
+                # killed while removing it leaves a dir the next one just removes.
                 record.stage, record.ref = STORED, ref
-                record.write(work)
+                try:
+                    record.write(work)
+                except OSError:
+                    pass  # then the next run finds the same checkpoint under the tag: nothing added
                 release(work)
                 done.append(Swept(work, record, verdict, ref))
                 continue
