@@ -159,3 +159,61 @@ def test_kill9_cli_checkpoint(tmp_path: Path, ledger, stage: str, stalled_regist
         ledger.record("fault", f"kill -9 `gpusnap checkpoint` in the {stage}" + (" (registry stalls)" if stalled_registry else ""),
                       passed=held,
                       detail="the next run stored the killed run's images; restored from the local store; pushed again")
+
+
+def test_a_live_checkpoint_is_spared_and_a_failed_push_rolls_back(tmp_path: Path, ledger) -> None:  # type: ignore[no-untyped-def]
+    """While `gpusnap checkpoint --push` waits on a stalled registry (stored, tagged, the
+    container stopped), other gpusnap runs leave its work dir alone; when the registry then
+    fails the upload, the checkpoint rolls back: the container runs again, no tag is left."""
+    root = tmp_path / "gs"
+    env = {**os.environ, "GPUSNAP_RUN_DIR": str(root / "run"), "GPUSNAP_STATE_DIR": str(root / "state"),
+           "GPUSNAP_STORE": str(root / "store"), "GPUSNAP_CONFIG": str(root / "none.toml"), "COLUMNS": "100"}
+    name = f"gs-rel-cli-{uuid.uuid4().hex[:6]}"
+    stalled = threading.Event()
+    release = threading.Event()
+    log: list[Seen] = []
+
+    def stall(method: str, path: str, h: dict[str, str]) -> Reply:
+        if path == "/v2/":
+            return Reply(200, {}, b"{}")
+        if method == "HEAD":
+            return Reply(404)
+        stalled.set()
+        release.wait(60)
+        return Reply(400, {"Content-Type": "application/json"}, b'{"errors":[{"code":"DENIED","message":"no"}]}')
+
+    ref = f"127.0.0.1:{STALL_PORT}/gs-rel/live:v1"
+    held = 0
+    try:
+        with HostileServer("stall", "127.0.0.1", STALL_PORT, log) as server:
+            server.script = stall
+            assert _gs(env, "run", name, "--", "sh", "-c", COUNTER).returncode == 0
+            assert _wait(lambda: len(_numbers(env, name)) >= 4)
+            proc = subprocess.Popen([GPUSNAP, "checkpoint", name, "--push", ref, "--insecure"], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            assert stalled.wait(120), "the push never reached the registry"
+            assert _wait(lambda: _record(root, proc.pid).get("stage") == "stored", 60), _record(root, proc.pid)
+            live = list((root / "state" / "tmp").glob(f"work-{proc.pid}-*"))
+            assert len(live) == 1
+            # Two other runs meanwhile: neither stores, removes nor mentions the live one.
+            others = [subprocess.Popen([GPUSNAP, "ls", "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      for _ in range(2)]
+            for o in others:
+                out, err = o.communicate(timeout=120)
+                assert o.returncode == 0, err
+                assert "gpusnap:" not in err, err
+                assert [r["ref"] for r in json.loads(out)] == [ref]  # the tag landed while the registry stalls
+            assert live[0].is_dir() and (live[0] / "checkpoint").is_dir()
+            release.set()
+            _, err = proc.communicate(timeout=300)
+        # The registry's refusal (exit 8), rolled back.
+        assert proc.returncode == 8 and "rolled back: store the checkpoint, checkpoint" in err, (proc.returncode, err)
+        assert not live[0].exists()
+        assert json.loads(_gs(env, "ls", "--json").stdout) == []
+        last = _numbers(env, name)[-1]
+        assert _wait(lambda: _numbers(env, name)[-1] > last), "the container does not run again"
+        held = 1
+    finally:
+        _gs(env, "delete", name)
+        ledger.record("fault", "registry refuses the upload of a stop-the-container checkpoint --push", passed=held,
+                      detail="other runs spared the live work dir; rolled back: container running, no tag")
