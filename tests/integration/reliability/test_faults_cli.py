@@ -158,7 +158,9 @@ def test_kill9_cli_checkpoint(tmp_path: Path, ledger, stage: str, stalled_regist
         reg.kill()
         ledger.record("fault", f"kill -9 `gpusnap checkpoint` in the {stage}" + (" (registry stalls)" if stalled_registry else ""),
                       passed=held,
-                      detail="the next run stored the killed run's images; restored from the local store; pushed again")
+                      detail=("the next run stored the killed run's images" if stage == "store" else
+                              "tagged before the kill; the next run removed the work dir and said how to push")
+                      + "; restored from the local store; pushed again")
 
 
 def test_a_live_checkpoint_is_spared_and_a_failed_push_rolls_back(tmp_path: Path, ledger) -> None:  # type: ignore[no-untyped-def]
