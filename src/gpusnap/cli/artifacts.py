@@ -8,6 +8,7 @@ Expected failures print one line on stderr and exit with the error's documented 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -225,12 +226,24 @@ def _ls(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     """List the checkpoints in the local store."""
     from gpusnap.packaging import api
 
+    if store is None:
+        _recover_interrupted()
     rows = api.list_checkpoints(_store(store))
     if as_json:
         _print_json(rows)
         return
     console = _console()
     console.print(ls_table(rows, console.width))
+
+
+def _recover_interrupted() -> None:
+    """Store what a killed `gpusnap checkpoint` left in its work dir (the only copy of a
+    container it stopped), so that it shows in the listing; only root can write there."""
+    from gpusnap.engines.orchestrate import recover_interrupted
+
+    settings = load_settings()
+    if os.access(settings.state_dir / "tmp", os.W_OK):
+        recover_interrupted(settings, lambda line: print(line, file=sys.stderr))
 
 
 def _rm(

@@ -53,6 +53,10 @@ class Out:
         # Not wrapped: references and paths must stay whole for copy and paste.
         self.stdout.print(text, soft_wrap=True)
 
+    def notice(self, text: str) -> None:
+        """A line the user must see whatever --json says (stderr), e.g. what was recovered."""
+        self.stderr.print(text, soft_wrap=True, markup=False, highlight=False)
+
     def detail(self, text: str) -> None:
         if self.verbose:
             self.stderr.print(f"[dim]{text}[/dim]")

@@ -56,7 +56,7 @@ def register(app: typer.Typer) -> None:
         sealed = {"encryption": encryption} if encryption is not None else {}
         with c.out.progress(f"checkpointing {container}") as progress:
             outcome = orchestrate.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress,
-                                       podman_image=podman_image, **sealed)
+                                       podman_image=podman_image, notice=c.out.notice, **sealed)
         if as_json:
             c.out.json(outcome.to_dict())
             return
@@ -100,7 +100,7 @@ def register(app: typer.Typer) -> None:
 
             keys["decryption"] = load_decryption_keys(decrypt_key)
         with c.out.progress(f"restoring {source}") as progress:
-            outcome = orchestrate.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress, ip=ip, **keys)
+            outcome = orchestrate.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress, ip=ip, notice=c.out.notice, **keys)
         if as_json:
             c.out.json(outcome.to_dict())
             return

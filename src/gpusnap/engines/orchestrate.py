@@ -33,11 +33,12 @@ from gpusnap.engines.base import (
     RestoreOptions,
     rfc3339_now,
 )
+from gpusnap.engines import workdirs
 from gpusnap.engines.registry import detect_form, engine_for_form, find_container, make_engine, read_json_member
 from gpusnap.errors import GpusnapError, MissingDependencyError, NotFoundError, UsageError
 from gpusnap.host.facts import HostFacts, gather, require_compatible
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata, GpuInfo, GpuProcess
-from gpusnap.steps import Step, run_steps
+from gpusnap.steps import Step, StepFailed, run_steps
 
 Progress = Callable[[str], None]
 
@@ -152,26 +153,91 @@ def default_ref(container: ContainerInfo) -> str:
 
 
 def work_dir(settings: Settings) -> Path:
+    """A work dir its caller removes (or leaves to be swept once it has exited): the demo's
+    --output target. Checkpoint and restore hold theirs (:func:`workdirs.claim`)."""
     base = settings.state_dir / "tmp"
     base.mkdir(parents=True, exist_ok=True)
-    _remove_dead_work_dirs(base)
-    # The owner's PID in the name: a work dir holds a whole CRIU image (plain process memory),
-    # and one left by a killed gpusnap must not stay on disk (see _remove_dead_work_dirs).
+    # No recovery here (no store to put it in): a dead run's checkpoint is kept for the next one.
+    workdirs.sweep(base, recover=None, container_running=lambda record: _container_running(settings, record))
     return Path(tempfile.mkdtemp(prefix=f"work-{os.getpid()}-", dir=base))
 
 
-def _remove_dead_work_dirs(base: Path) -> None:
-    for d in base.glob("work-*-*"):
-        try:
-            pid = int(d.name.split("-")[1])
-        except ValueError:
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)  # its gpusnap was killed before cleaning up
-        except PermissionError:
-            pass  # alive, someone else's
+def recover_interrupted(settings: Settings, notice: Progress = _quiet) -> list[workdirs.Swept]:
+    """Sweep the work dirs of gpusnap runs that died (kill -9, OOM, power loss): a checkpoint
+    whose dump finished and whose container it stopped is stored (under the reference the dead
+    run was given, or ``<that>-recovered-<time>`` if taken) and ``notice`` gets one line saying
+    how to restore it; what cannot be stored now is kept, with the command to import it; the
+    rest is removed. Runs at the start of every checkpoint and restore, and from `gpusnap ls`."""
+    base = settings.state_dir / "tmp"
+    if not base.is_dir():
+        return []
+    # packaging_api() only when there is something to store (a build without packaging keeps
+    # the dir and the notice says how to import it elsewhere).
+    recover = lambda work, record: _store_recovered(settings, packaging_api(), record)  # noqa: E731
+    done = workdirs.sweep(base, recover=recover, container_running=lambda record: _container_running(settings, record))
+    for swept in done:
+        line = _recovery_notice(swept)
+        if line:
+            notice(line)
+    return done
+
+
+def _recovery_ref(record: workdirs.WorkRecord) -> str:
+    stamp = rfc3339_now().replace(":", "").replace("-", "").replace("Z", "").replace("T", "-")
+    if not record.ref:
+        return f"localhost/gpusnap/{(record.container or 'checkpoint').lower()}:recovered-{stamp}"
+    repo, _, tag = record.ref.split("@", 1)[0].rpartition(":")
+    if "/" in tag or not repo:  # no tag: host:port/repo
+        repo, tag = record.ref.split("@", 1)[0], "latest"
+    return f"{repo}:{tag[:100]}-recovered-{stamp}"
+
+
+def _store_recovered(settings: Settings, api: Any, record: workdirs.WorkRecord) -> str:
+    path = Path(record.checkpoint)
+    meta = read_metadata(path, record.form) if path.is_dir() or record.form == FORM_PODMAN_ARCHIVE else None
+    wanted = record.ref
+    taken = bool(wanted) and _in_store(api, settings, wanted)
+    ref = _recovery_ref(record) if taken or not wanted else wanted
+    stored = api.store_checkpoint(settings.store_dir, path, form=record.form, ref=ref, metadata=meta)
+    if taken:
+        # Killed after its tag landed but before it said so: the same checkpoint is there already.
+        # (The manifests differ by their creation time: compare what they hold.)
+        if _content(api.inspect(settings.store_dir, wanted)) == _content(api.inspect(settings.store_dir, ref)):
+            api.remove(settings.store_dir, ref)
+            return wanted
+    return str(stored.ref)
+
+
+def _content(info: Any) -> tuple[Any, ...]:
+    return (info.form, info.created, info.container, [(layer.digest, layer.size, layer.file) for layer in info.layers])
+
+
+def _container_running(settings: Settings, record: workdirs.WorkRecord) -> bool | None:
+    try:
+        eng, info = find_container(record.container, record.engine or "auto", settings)
+        return bool(eng.is_running(info))
+    except NotFoundError:
+        return False
+    except Exception:  # noqa: BLE001 - an engine that does not answer: cannot tell
+        return None
+
+
+def _recovery_notice(swept: workdirs.Swept) -> str:
+    record, verdict = swept.record, swept.verdict
+    if record is None or record.op != "checkpoint":
+        return ""
+    who = f"an interrupted gpusnap checkpoint of {record.container} (pid {record.pid})"
+    if verdict.action == "recover":
+        push = f", push it with: gpusnap push {swept.note} {record.push}" if record.push else ""
+        return f"gpusnap: {who} left its checkpoint in {swept.work}; stored it as {swept.note}: restore it with: gpusnap restore {swept.note}{push}"
+    if verdict.action == "keep":
+        image = record.checkpoint or str(swept.work)
+        return (f"gpusnap: {who} left a checkpoint in {image} ({verdict.reason}); store it with: gpusnap import {image} REF, "
+                f"then remove {swept.work}")
+    if record.stage == workdirs.STORED and record.push:
+        return (f"gpusnap: {who} stored {record.ref} but may not have pushed it to {record.push}; "
+                f"push it with: gpusnap push {record.ref} {record.push}")
+    return ""
 
 
 def checkpoint(
@@ -187,8 +253,11 @@ def checkpoint(
     ref: str | None = None,
     encryption: Any = None,
     podman_image: bool = False,
+    notice: Progress | None = None,
 ) -> CheckpointOutcome:
-    """``encryption``: a gpusnap.packaging.crypto.EncryptionConfig; every stored layer is sealed.
+    """``notice``: one-line messages for the user that are not progress (what a killed earlier
+    run left and how it was recovered: :func:`recover_interrupted`); default: ``progress``.
+    ``encryption``: a gpusnap.packaging.crypto.EncryptionConfig; every stored layer is sealed.
     ``podman_image``: push podman's own checkpoint image (:func:`push_podman_image`) rather than
     the artifact; only for podman containers, refused before anything is dumped otherwise."""
     opts = opts or CheckpointOptions()
@@ -211,13 +280,34 @@ def checkpoint(
         raise UsageError(f"{info.name} is not running ({info.status or 'stopped'}) in {eng.name}; start it before checkpointing")
     facts = gather(settings, with_gpus=False)
     require_compatible(None, facts, what=info.name)  # CRIU present and new enough
-    work = work_dir(settings)
+    recover_interrupted(settings, notice or progress)
+    with workdirs.claim(settings.state_dir / "tmp") as work:
+        return _checkpoint_in(work, settings, eng, info, facts, opts=opts, push=push, output=output, insecure=insecure,
+                              progress=progress, ref=ref, encryption=encryption, podman_image=podman_image, api=api)
+
+
+def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerInfo, facts: HostFacts, *, opts: CheckpointOptions,
+                   push: str | None, output: Path | None, insecure: bool, progress: Progress, ref: str | None, encryption: Any,
+                   podman_image: bool, api: Any) -> CheckpointOutcome:
     state: dict[str, Any] = {}
     dest = work / ("checkpoint.tar" if eng.form == FORM_PODMAN_ARCHIVE else "checkpoint")
+    local = ref or push or default_ref(info) if output is None else ""
+    # What this work dir holds, for a run that finds it after this one was killed
+    # (engines/workdirs.py): from the end of the dump until the store has tagged it, the
+    # images here are the only copy of a container the checkpoint stopped.
+    record = workdirs.WorkRecord(pid=os.getpid(), op="checkpoint", container=info.name, engine=eng.name, form=eng.form,
+                                 checkpoint=str(dest), ref=local, push=push or "", leave_running=opts.leave_running)
+    record.write(work)
+
+    def stage(name: str) -> None:
+        record.stage = name
+        record.write(work)
 
     def dump() -> None:
         progress(f"checkpointing {info.name} through {eng.name}")
         state["cp"] = eng.checkpoint(info, dest, opts)
+        record.checkpoint = str(state["cp"].path)
+        stage(workdirs.DUMPED)
 
     def bring_back() -> None:
         # The engine stopped the container; start it again from what it just dumped so a
@@ -241,6 +331,7 @@ def checkpoint(
                 meta.extra.setdefault(key, value)
         _attach_metadata(cp, meta)
         state["meta"] = meta
+        stage(workdirs.DESCRIBED)
 
     def write_output() -> None:
         assert output is not None
@@ -252,16 +343,14 @@ def checkpoint(
     # it (api.start_push), so the push step only waits for the last uploads and sends the
     # manifest. An encrypted store seals blobs after building them and a podman image is
     # built from the stored artifact: those push after the store, as before.
-    # Only when the container keeps running: a checkpoint that stops it leaves the CRIU images
-    # in the work dir as the container's only copy until the store has tagged them, and a
-    # registry that stalls an upload must not hold that window open (a kill -9 then would leave
-    # an untagged store and a work dir the next run removes).
-    pipelined = (bool(push) and opts.leave_running and not podman_image and encryption is None
-                 and hasattr(api, "start_push"))
+    # Also when the checkpoint stops the container: the uploads only read what the store
+    # committed (on_blob queues them and returns), so the tag lands when the store is done
+    # whatever the registry does, and a run killed before that leaves a work dir the next
+    # run stores (recover_interrupted).
+    pipelined = bool(push) and not podman_image and encryption is None and hasattr(api, "start_push")
     transfer: list[Any] = []
 
     def store() -> None:
-        local = ref or push or default_ref(info)
         progress(f"storing {local}" + (f" and pushing it to {push}" if pipelined else ""))
         sealed = {"encryption": encryption} if encryption is not None else {}
         if pipelined:
@@ -278,6 +367,7 @@ def checkpoint(
             raise
         state["ref"] = local
         state["stored"] = stored
+        stage(workdirs.STORED)
 
     def end_pipeline() -> None:
         pipeline = state.pop("pipeline", None)
@@ -291,6 +381,7 @@ def checkpoint(
         remove_ref = getattr(api, "remove", None)
         if remove_ref is not None and "ref" in state:
             remove_ref(settings.store_dir, state["ref"])
+            stage(workdirs.DESCRIBED)
 
     def do_push() -> None:
         if pipelined:
@@ -316,8 +407,14 @@ def checkpoint(
             steps.append(Step("push the checkpoint", do_push))
     try:
         records = run_steps(steps)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    except StepFailed as exc:
+        if not _lost_without(work, record, exc):
+            workdirs.release(work)
+        raise
+    except BaseException:
+        workdirs.release(work)
+        raise
+    workdirs.release(work)
     stored = state.get("stored")
     outcome = CheckpointOutcome(
         container=info,
@@ -333,6 +430,16 @@ def checkpoint(
         timings_s={r.name: round(r.seconds, 3) for r in records},
     )
     return outcome
+
+
+def _lost_without(work: Path, record: workdirs.WorkRecord, exc: StepFailed) -> bool:
+    """Whether the work dir is all that is left of the container: the checkpoint stopped it,
+    and bringing it back failed. Then it stays, and the next gpusnap run stores it."""
+    kept = (not record.leave_running and record.stage in (workdirs.DUMPED, workdirs.DESCRIBED)
+            and any(name == "checkpoint" for name, _ in exc.undo_errors))
+    if kept:
+        exc.args = (f"{exc}; the checkpoint stays in {work} and the next gpusnap run stores it",)
+    return kept
 
 
 PODMAN_IMAGE_ENCRYPTED = "--podman-image and --encrypt-key/--recipient exclude each other: podman restores only plain images; drop one"
@@ -379,12 +486,17 @@ def restore(
     progress: Progress = _quiet,
     ip: str | None = None,
     decryption: Any = None,
+    notice: Progress | None = None,
 ) -> RestoreOutcome:
-    """``decryption``: gpusnap.packaging.crypto.DecryptionKeys for an encrypted checkpoint."""
+    """``decryption``: gpusnap.packaging.crypto.DecryptionKeys for an encrypted checkpoint.
+    ``notice``: as for :func:`checkpoint`."""
     keys = {"decryption": decryption} if decryption is not None else {}
     path = Path(source)
     facts = gather(settings)
-    work = work_dir(settings)
+    # First, so that a checkpoint a killed run left is in the store before this looks there.
+    recover_interrupted(settings, notice or progress)
+    claimed = workdirs.claim(settings.state_dir / "tmp")
+    work = claimed.__enter__()
     try:
         if path.exists():
             form = detect_form(path)
@@ -437,7 +549,8 @@ def restore(
         return RestoreOutcome(container=container, engine=eng.name, source=source, form=form,
                               timings_s={r.name: round(r.seconds, 3) for r in records})
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        workdirs.release(work)
+        claimed.__exit__(None, None, None)
 
 
 def _refuse_plain(source: str) -> None:

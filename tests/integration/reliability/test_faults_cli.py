@@ -1,6 +1,9 @@
-"""kill -9 of `gpusnap checkpoint --push` while it pushes (runc-direct engine, real CRIU): the
-checkpoint was stored before the push, so the container is restorable from the local store, the
-store verifies, and pushing it again succeeds."""
+"""kill -9 of `gpusnap checkpoint` (runc-direct engine, real CRIU, a real docker-registry) in the
+store and in the push, with and without a registry that stalls the uploads. The checkpoint
+stopped the container, so its images in the killed run's work dir may be its only copy: the
+next gpusnap run (here `gpusnap ls`) stores them if the tag had not landed, says so in one line,
+and removes the work dir; the checkpoint then verifies, restores (the counter goes on where it
+stopped) and pushes again. 0 lost."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from stack.registry import REL_PORTS, Registry  # noqa: E402
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runc"), reason="needs root and runc")]
 GPUSNAP = str(Path(sys.executable).parent / "gpusnap")
 COUNTER = "i=0; while true; do echo $i; i=$((i+1)); sleep 0.3; done"
+# 48 MB of incompressible memory: a store and a push long enough to be killed in.
+BIG = "x=$(head -c 36000000 /dev/urandom | base64); " + COUNTER
 STALL_PORT = 5355
 
 
@@ -44,7 +49,35 @@ def _wait(pred, timeout: float = 60) -> bool:  # type: ignore[no-untyped-def]
     return False
 
 
-def test_kill9_cli_checkpoint_during_push(tmp_path: Path, ledger) -> None:  # type: ignore[no-untyped-def]
+def _record(root: Path, pid: int) -> dict[str, object]:
+    for rec in (root / "state" / "tmp").glob(f"work-{pid}-*/gpusnap-work.json"):
+        try:
+            return dict(json.loads(rec.read_text()))
+        except ValueError:
+            pass  # being replaced (the owner writes it atomically, but a read may race the rename)
+    return {}
+
+
+def _tags(root: Path) -> list[str]:
+    """The local store's tags, read from its index without running gpusnap (which would recover)."""
+    index = root / "store" / "index.json"
+    if not index.is_file():
+        return []
+    return [m["annotations"]["org.opencontainers.image.ref.name"] for m in json.loads(index.read_text()).get("manifests", [])
+            if "org.opencontainers.image.ref.name" in (m.get("annotations") or {})]
+
+
+# (id, where the kill lands, whether a registry stalls every upload)
+CASES = [
+    ("store", "store", False),
+    ("store-stalled-registry", "store", True),
+    ("push-stalled-registry", "push", True),
+    ("push-registry", "push", False),
+]
+
+
+@pytest.mark.parametrize(("stage", "stalled_registry"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_kill9_cli_checkpoint(tmp_path: Path, ledger, stage: str, stalled_registry: bool) -> None:  # type: ignore[no-untyped-def]
     root = tmp_path / "gs"
     env = {**os.environ, "GPUSNAP_RUN_DIR": str(root / "run"), "GPUSNAP_STATE_DIR": str(root / "state"),
            "GPUSNAP_STORE": str(root / "store"), "GPUSNAP_CONFIG": str(root / "none.toml"), "COLUMNS": "100"}
@@ -58,46 +91,131 @@ def test_kill9_cli_checkpoint_during_push(tmp_path: Path, ledger) -> None:  # ty
             return Reply(200, {}, b"{}")
         if method == "HEAD":
             return Reply(404)
-        stalled.set()  # the first upload: hold it until the client is dead
+        stalled.set()  # an upload: hold it until the client is dead
         release.wait(60)
         return Reply(500)
 
-    ref = f"127.0.0.1:{STALL_PORT}/gs-rel/stall:v1"
     reg = Registry(tmp_path / "registry", REL_PORTS).start()
+    ref = f"127.0.0.1:{STALL_PORT}/gs-rel/stall:v1" if stalled_registry else f"{reg.host}/gs-rel/kill:v1"
+    push = [] if stage == "store" and not stalled_registry else ["--push", ref, "--insecure"]
+    held = 0
+    try:
+        with HostileServer("stall", "127.0.0.1", STALL_PORT, log) as server:
+            server.script = stall
+            assert _gs(env, "run", name, "--", "sh", "-c", BIG).returncode == 0
+            assert _wait(lambda: len(_numbers(env, name)) >= 4)
+            proc = subprocess.Popen([GPUSNAP, "checkpoint", name, *push], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            # The kill lands in the store (images dumped and described, no tag yet) or in the
+            # push (tagged). The record the run keeps in its work dir says which.
+            want = ("described",) if stage == "store" else ("stored",)
+            if stalled_registry:
+                assert stalled.wait(120), "the push never reached the registry"
+            deadline = time.monotonic() + 120
+            while _record(root, proc.pid).get("stage") not in want and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.002)  # the store of 48 MB takes a fraction of a second
+            os.kill(proc.pid, signal.SIGKILL)
+            assert proc.wait(30) == -signal.SIGKILL, "the checkpoint finished before the kill: this case proves nothing"
+            release.set()
+        at_kill = str(_record(root, proc.pid).get("stage"))
+        tagged = _tags(root)
+        if stage == "store":
+            assert at_kill == "described", at_kill
+        else:
+            assert at_kill == "stored" and len(tagged) == 1, (at_kill, tagged)
+        # What the killed run left: its work dir, with the CRIU images (plain memory) in it.
+        debris = list((root / "state" / "tmp").glob(f"work-{proc.pid}-*"))
+        assert debris, "expected the killed run's work dir (else this test proves nothing about it)"
+        last = _numbers(env, name)[-1]
+        # The next gpusnap run stores it if the tag had not landed, and says so on stderr.
+        ls = _gs(env, "ls", "--json")
+        assert ls.returncode == 0, ls.stderr
+        rows = json.loads(ls.stdout)
+        assert len(rows) == 1, rows
+        stored = rows[0]["ref"]
+        notes = [line for line in ls.stderr.splitlines() if line.startswith("gpusnap:")]
+        if not tagged:
+            assert len(notes) == 1 and f"gpusnap restore {stored}" in notes[0], ls.stderr
+        elif push:
+            assert len(notes) == 1 and f"gpusnap push {stored} {ref}" in notes[0], ls.stderr
+        if push and not stalled_registry:
+            assert stored == ref
+        assert not any(d.exists() for d in debris), "the recovered work dir must go once its checkpoint is stored"
+        v = _gs(env, "verify")
+        assert v.returncode == 0, v.stdout + v.stderr
+        restored = name + "-r"
+        r = _gs(env, "restore", stored, "--name", restored)
+        assert r.returncode == 0, r.stderr
+        assert _wait(lambda: any(n > last for n in _numbers(env, restored))), "the restored counter does not go on"
+        after = _numbers(env, restored)
+        assert last + 1 in after, (last, after)
+        p = _gs(env, "push", stored, f"{reg.host}/gs-rel/retry:v1", "--insecure")
+        assert p.returncode == 0, p.stderr
+        assert reg.has_tag("gs-rel/retry", "v1")
+        held = 1
+    finally:
+        for n in (name, name + "-r"):
+            _gs(env, "delete", n)
+        reg.kill()
+        ledger.record("fault", f"kill -9 `gpusnap checkpoint` in the {stage}" + (" (registry stalls)" if stalled_registry else ""),
+                      passed=held,
+                      detail=("the next run stored the killed run's images" if stage == "store" else
+                              "tagged before the kill; the next run removed the work dir and said how to push")
+                      + "; restored from the local store; pushed again")
+
+
+def test_a_live_checkpoint_is_spared_and_a_failed_push_rolls_back(tmp_path: Path, ledger) -> None:  # type: ignore[no-untyped-def]
+    """While `gpusnap checkpoint --push` waits on a stalled registry (stored, tagged, the
+    container stopped), other gpusnap runs leave its work dir alone; when the registry then
+    fails the upload, the checkpoint rolls back: the container runs again, no tag is left."""
+    root = tmp_path / "gs"
+    env = {**os.environ, "GPUSNAP_RUN_DIR": str(root / "run"), "GPUSNAP_STATE_DIR": str(root / "state"),
+           "GPUSNAP_STORE": str(root / "store"), "GPUSNAP_CONFIG": str(root / "none.toml"), "COLUMNS": "100"}
+    name = f"gs-rel-cli-{uuid.uuid4().hex[:6]}"
+    stalled = threading.Event()
+    release = threading.Event()
+    log: list[Seen] = []
+
+    def stall(method: str, path: str, h: dict[str, str]) -> Reply:
+        if path == "/v2/":
+            return Reply(200, {}, b"{}")
+        if method == "HEAD":
+            return Reply(404)
+        stalled.set()
+        release.wait(60)
+        return Reply(400, {"Content-Type": "application/json"}, b'{"errors":[{"code":"DENIED","message":"no"}]}')
+
+    ref = f"127.0.0.1:{STALL_PORT}/gs-rel/live:v1"
+    held = 0
     try:
         with HostileServer("stall", "127.0.0.1", STALL_PORT, log) as server:
             server.script = stall
             assert _gs(env, "run", name, "--", "sh", "-c", COUNTER).returncode == 0
             assert _wait(lambda: len(_numbers(env, name)) >= 4)
             proc = subprocess.Popen([GPUSNAP, "checkpoint", name, "--push", ref, "--insecure"], env=env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             assert stalled.wait(120), "the push never reached the registry"
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+            assert _wait(lambda: _record(root, proc.pid).get("stage") == "stored", 60), _record(root, proc.pid)
+            live = list((root / "state" / "tmp").glob(f"work-{proc.pid}-*"))
+            assert len(live) == 1
+            # Two other runs meanwhile: neither stores, removes nor mentions the live one.
+            others = [subprocess.Popen([GPUSNAP, "ls", "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      for _ in range(2)]
+            for o in others:
+                out, err = o.communicate(timeout=120)
+                assert o.returncode == 0, err
+                assert "gpusnap:" not in err, err
+                assert [r["ref"] for r in json.loads(out)] == [ref]  # the tag landed while the registry stalls
+            assert live[0].is_dir() and (live[0] / "checkpoint").is_dir()
             release.set()
-        # What the killed run left: its work dir, with the CRIU images (plain memory) in it.
-        debris = list((root / "state" / "tmp").glob(f"work-{proc.pid}-*"))
-        assert debris, "expected the killed run's work dir (else this test proves nothing about its cleanup)"
+            _, err = proc.communicate(timeout=300)
+        # The registry's refusal (exit 8), rolled back.
+        assert proc.returncode == 8 and "rolled back: store the checkpoint, checkpoint" in err, (proc.returncode, err)
+        assert not live[0].exists()
+        assert json.loads(_gs(env, "ls", "--json").stdout) == []
         last = _numbers(env, name)[-1]
-        # The checkpoint was stored before the push began: it is there, whole, under its tag.
-        rows = json.loads(_gs(env, "ls", "--json").stdout)
-        assert [r["ref"] for r in rows] == [ref], rows
-        v = _gs(env, "verify")
-        assert v.returncode == 0, v.stdout + v.stderr
-        restored = name + "-r"
-        r = _gs(env, "restore", ref, "--name", restored)
-        assert r.returncode == 0, r.stderr
-        assert not any(d.exists() for d in debris), "the next gpusnap run must remove a dead run's work dir"
-        assert _wait(lambda: any(n > last for n in _numbers(env, restored))), "the restored counter does not go on"
-        after = _numbers(env, restored)
-        assert last + 1 in after, (last, after)
-        p = _gs(env, "push", ref, f"{reg.host}/gs-rel/retry:v1", "--insecure")
-        assert p.returncode == 0, p.stderr
-        assert reg.has_tag("gs-rel/retry", "v1")
-        held = True
+        assert _wait(lambda: _numbers(env, name)[-1] > last), "the container does not run again"
+        held = 1
     finally:
-        for n in (name, name + "-r"):
-            _gs(env, "delete", n)
-        reg.kill()
-    ledger.record("fault", "kill -9 `gpusnap checkpoint --push` mid-push", passed=int(held),
-                  detail="restored from the local store; push retried; dead run's work dir removed")
+        _gs(env, "delete", name)
+        ledger.record("fault", "registry refuses the upload of a stop-the-container checkpoint --push", passed=held,
+                      detail="other runs spared the live work dir; rolled back: container running, no tag")
