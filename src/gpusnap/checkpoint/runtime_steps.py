@@ -117,14 +117,22 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
 
     from gpusnap.checkpoint.recovery import heal, is_suspended, operation_lock
 
+    freezer = runc_freezer(call.runc, call.inv.global_opts, call.container_id, call.env) if state.status == "paused" else None
     with operation_lock(settings, call.container_id):
         backend = getattr(plan, "backend", None)
         if backend is not None and not is_suspended(settings, call.container_id):
-            # A run killed with SIGKILL cannot roll back; its GPU leftovers are healed here.
-            healed = heal(backend, settings.host, ref.init_pid, ref.cgroup_procs or None)
+            # A run killed with SIGKILL cannot roll back; its GPU leftovers are healed here. Even
+            # asking the driver for a process's state needs that process thawed (see thawed_for_gpu).
+            if freezer is not None:
+                freezer[1]()
+            try:
+                healed = heal(backend, settings.host, ref.init_pid, ref.cgroup_procs or None)
+            except BaseException:
+                if freezer is not None:
+                    freezer[0]()
+                raise
             if healed:
                 meta.extra["healed_before_checkpoint"] = healed
-        freezer = runc_freezer(call.runc, call.inv.global_opts, call.container_id, call.env) if state.status == "paused" else None
         return _checkpoint_steps(plan, ref, image_dir, meta, dump, freezer)
 
 

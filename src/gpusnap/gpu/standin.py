@@ -218,6 +218,9 @@ class StandinBackend:
     def state(self, host_pid: int) -> ProcessGpuState:
         with self._locked():
             token = self._token("get-state", host_pid)
+            if frozen(self.host, host_pid):  # the real driver asks the process, which never answers
+                self._log("get-state", token, host_pid, "FROZEN")
+                raise GpuCallError("get-state", host_pid, "the process is frozen (cgroup freezer): the CUDA driver would wait for it for ever")
             return ProcessGpuState(self._proc_record(token, host_pid)["state"])
 
     def lock(self, host_pid: int, timeout_ms: int) -> None:

@@ -195,10 +195,12 @@ def test_calls_on_a_frozen_process_fail_instead_of_hanging(fake, standin):
             time.sleep(0.01)
         with pytest.raises(GpuCallError, match="frozen"):
             standin.lock(pid, 100)
-        assert standin.state(pid) == R
+        with pytest.raises(GpuCallError, match="frozen"):
+            standin.state(pid)
         (sub / knob).write_text(off)
         while frozen(HostPaths(), pid) and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert standin.state(pid) == R
         standin.lock(pid, 100)
         assert standin.state(pid) == L
     finally:
