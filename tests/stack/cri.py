@@ -217,6 +217,8 @@ class Containerd2:
             Path(keep).mkdir(parents=True, exist_ok=True)
             shutil.copy(self.log, Path(keep) / f"containerd-{self.id}.log")
             shutil.copy(self.config, Path(keep) / f"config-{self.id}.toml")
+            for log in [*self.state.rglob("criu-*.log"), *self.root.rglob("criu-*.log"), *self.root.rglob("dump.log")]:
+                shutil.copy(log, Path(keep) / f"{self.id}-{log.parent.name[:12]}-{log.name}")
         for base in (self.state, self.root):
             _umount_under(base)
         shutil.rmtree(self.state, ignore_errors=True)
