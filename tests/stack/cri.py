@@ -202,6 +202,13 @@ class Containerd2:
 
     def stop(self) -> None:
         """Stop the daemon, its shims and containers, and remove its root, state and mounts."""
+        keep = os.environ.get("GPUSNAP_CRI_LOG_DIR")  # where runs on other machines keep the daemon's log
+        if keep and self.log.exists():  # before the pods go: their CRIU logs go with them
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.log, Path(keep) / f"containerd-{self.id}.log")
+            shutil.copy(self.config, Path(keep) / f"config-{self.id}.toml")
+            for log in [*self.state.rglob("criu-*.log"), *self.root.rglob("criu-*.log"), *self.root.rglob("dump.log")]:
+                shutil.copy(log, Path(keep) / f"{self.id}-{log.parent.name[:12]}-{log.name}")
         if self.proc is not None and self.proc.poll() is None:
             self.remove_everything()
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -212,13 +219,6 @@ class Containerd2:
                 self.proc.wait(10)
         self.proc = None
         _kill_shims(self.socket)
-        keep = os.environ.get("GPUSNAP_CRI_LOG_DIR")  # where runs on other machines keep the daemon's log
-        if keep and self.log.exists():
-            Path(keep).mkdir(parents=True, exist_ok=True)
-            shutil.copy(self.log, Path(keep) / f"containerd-{self.id}.log")
-            shutil.copy(self.config, Path(keep) / f"config-{self.id}.toml")
-            for log in [*self.state.rglob("criu-*.log"), *self.root.rglob("criu-*.log"), *self.root.rglob("dump.log")]:
-                shutil.copy(log, Path(keep) / f"{self.id}-{log.parent.name[:12]}-{log.name}")
         for base in (self.state, self.root):
             _umount_under(base)
         shutil.rmtree(self.state, ignore_errors=True)
