@@ -77,14 +77,19 @@ def node(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def cuda_pod(node: Kubelet, name: str, image: str, data: Path):  # type: ignore[no-untyped-def]
-    mounts = [("/usr", "/usr", True), (str(data), "/data", False)]
+    # The host's /usr folder by folder, not whole: a CRI mount is recursive, and a filesystem
+    # mounted below /usr (the GPU machine's driver: squashfs on /usr/local/nvidia) is one CRIU
+    # cannot dump. The driver comes as a device plugin gives it: NVIDIA_VISIBLE_DEVICES, which
+    # gpusnap-runtime turns into device nodes and driver libraries.
+    usr = sorted(p for p in Path("/usr").iterdir() if p.is_dir() and not p.is_symlink() and p.name != "local")
+    mounts = [*((str(p), str(p), True) for p in usr), (str(data), "/data", False)]
     # The interpreter, its venv and its base installation, wherever they live (/opt/torch/.venv).
     tops = {"/" + Path(p).resolve().parts[1] for p in (sys.prefix, sys.base_prefix, sys.executable)}
     mounts += [(t, t, True) for t in sorted(tops - {"/usr"})]
     devices = [d for d in ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools") if os.path.exists(d)]
     devices += sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))[:1]
     envs = {"WORKER_MODE": "cuda", "GB": str(GB), "SLEEP": "0.01", "PYTHONUNBUFFERED": "1", "HOME": "/tmp",
-            "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"}
+            "NVIDIA_VISIBLE_DEVICES": "all"}
     return node.run(name, "gpusnap", image, args=[f"exec {sys.executable} /data/gpu_worker.py /data/out0"], envs=envs,
                     mounts=mounts, devices=devices)
 
