@@ -52,6 +52,13 @@ def wait_step(data: Path, step: int, timeout: float = 300, pod: Pod | None = Non
     if pod is not None and node is not None:
         log = pod.log.read_text(errors="replace")[-3000:] if pod.log.exists() else "(no log)"
         why += f"; container {node.state(pod)}; its log:\n{log}"
+        bundle = node.ctrd.state / "st" / "io.containerd.runtime.v2.task" / "k8s.io" / pod.container / "config.json"
+        if bundle.exists():
+            import json
+
+            spec = json.loads(bundle.read_text())
+            why += f"\nits spec: env {spec['process'].get('env')}; mounts {[m['destination'] for m in spec.get('mounts', [])]}; " \
+                   f"annotations {sorted(spec.get('annotations', {}))}"
     raise AssertionError(why)
 
 
