@@ -8,9 +8,10 @@ The directory holds what a CRIU dump of a GPU process looks like to the store: a
 many ranges at page-aligned addresses and one large ``pages-1.img``, of which ~70 % unique data
 (every page different, so nothing dedups by accident), ~18 % zero pages (a GPU server's share)
 and ~12 % pages repeated inside the checkpoint. It is generated, not random-read from the
-kernel: 1 GiB takes ~1 s. Each store runs in a fresh process (``--child``) whose own peak RSS
+kernel: 1 GiB takes ~1 s. ``--workers 16`` sizes the store's pools as on a 16-core host (memory
+is what it shows there; time is this machine's). Each store runs in a fresh process (``--child``) whose own peak RSS
 (VmHWM, not ru_maxrss: a vforked child inherits its parent's high-water mark there) is reported
-with its time. Runs: the first store into an empty store, then a second store of the same
+with its time and CPU seconds per GB (user + system: on a shared machine the steadier figure). Runs: the first store into an empty store, then a second store of the same
 directory (everything known: what a checkpoint of unchanged memory costs).
 The source is made once and kept (``--keep``) so that before/after runs read the same bytes.
 """
@@ -98,20 +99,30 @@ def hwm() -> int:
     return 0
 
 
-def child(src: Path, store: Path, ref: str) -> None:
+def child(src: Path, store: Path, ref: str, workers: int | None) -> None:
+    import inspect
+    import resource
+
     from gpusnap.packaging import api
 
+    kw = {"workers": workers} if workers and "workers" in inspect.signature(api.store_checkpoint).parameters else {}
+    if workers and not kw:
+        os.cpu_count = lambda: workers  # type: ignore[assignment]  # a gpusnap without the parameter sizes its pool by this
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    st = api.store_checkpoint(store, src, form="criu-dir", ref=ref)
+    st = api.store_checkpoint(store, src, form="criu-dir", ref=ref, **kw)
     secs = time.perf_counter() - t0
-    print(json.dumps({"seconds": secs, "hwm": hwm(), "new_bytes": st.new_bytes, "size": st.size}))
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    print(json.dumps({"seconds": secs, "cpu_s": cpu, "hwm": hwm(), "new_bytes": st.new_bytes, "size": st.size}))
 
 
-def run_store(src: Path, store: Path, ref: str, size: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", "--src", str(src), "--store", str(store), "--ref", ref],
-                         check=True, capture_output=True, text=True)
+def run_store(src: Path, store: Path, ref: str, size: int, workers: int | None) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", "--src", str(src), "--store", str(store), "--ref", ref,
+                          "--workers", str(workers or 0)], check=True, capture_output=True, text=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     return {"seconds": round(r["seconds"], 2), "gb_s": round(size / r["seconds"] / 1e9, 3),
+            "cpu_s_per_gb": round(r["cpu_s"] / (size / 1e9), 3),
             "peak_rss_mib": round(r["hwm"] / MIB, 1), "new_gb": round(r["new_bytes"] / 1e9, 3)}
 
 
@@ -122,11 +133,13 @@ def main() -> int:
     ap.add_argument("--store", type=Path, default=Path("/var/tmp/gs-store-scale-store"))
     ap.add_argument("--ref", default="scale:1")
     ap.add_argument("--rss-only", action="store_true", help="one store only (no second, deduped one)")
+    ap.add_argument("--workers", type=int, default=0, help="the store's worker threads (default: one per core); "
+                    "e.g. 16 to see the memory of a 16-core host on a small one")
     ap.add_argument("--keep", action="store_true", help="keep the source directory for the next run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.src, a.store, a.ref)
+        child(a.src, a.store, a.ref, a.workers or None)
         return 0
     size = int(a.gib * GIB) // PAGE * PAGE
     t0 = time.perf_counter()
@@ -134,10 +147,10 @@ def main() -> int:
     print(f"source {a.src}: {size / GIB:.1f} GiB ({time.perf_counter() - t0:.1f} s to make); {os.cpu_count()} cores", flush=True)
     shutil.rmtree(a.store, ignore_errors=True)
     try:
-        first = run_store(a.src, a.store, "scale:1", size)
+        first = run_store(a.src, a.store, "scale:1", size, a.workers or None)
         print(f"first store (empty store):      {json.dumps(first)}", flush=True)
         if not a.rss_only:
-            second = run_store(a.src, a.store, "scale:2", size)
+            second = run_store(a.src, a.store, "scale:2", size, a.workers or None)
             print(f"second store (all pieces known): {json.dumps(second)}", flush=True)
     finally:
         shutil.rmtree(a.store, ignore_errors=True)
