@@ -95,10 +95,7 @@ def page_features(view: memoryview, npages: int, divisor: int) -> tuple[np.ndarr
     a = np.frombuffer(view, dtype=np.uint64, count=npages * _WORDS).reshape(npages, _WORDS)
     s = a[:, ::_SAMPLE_STRIDE]
     sample_zero = ~s.any(axis=1)
-    zero = np.zeros(npages, dtype=bool)
-    idx = np.flatnonzero(sample_zero)
-    if idx.size:
-        zero[idx] = ~a[idx].any(axis=1)
+    zero = _full_check(a, sample_zero)
     h = (s * _K).sum(axis=1, dtype=np.uint64)
     h ^= h >> np.uint64(29)
     cut = ((h >> np.uint64(20)) % np.uint64(divisor) == 0) & ~sample_zero
@@ -108,10 +105,19 @@ def page_features(view: memoryview, npages: int, divisor: int) -> tuple[np.ndarr
 def page_zero(view: memoryview, npages: int) -> np.ndarray:
     """Per page: is it all zero? (Full check only where the sampled words are all zero.)"""
     a = np.frombuffer(view, dtype=np.uint64, count=npages * _WORDS).reshape(npages, _WORDS)
-    zero = ~a[:, ::_SAMPLE_STRIDE].any(axis=1)
-    idx = np.flatnonzero(zero)
-    if idx.size:
-        zero[idx] = ~a[idx].any(axis=1)
+    return _full_check(a, ~a[:, ::_SAMPLE_STRIDE].any(axis=1))
+
+
+def _full_check(a: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """Which candidate pages (rows of ``a``) are all zero, checked run by run on views of ``a``:
+    indexing ``a`` with the candidates' indexes would copy them (4 MiB a window when it is all
+    zero), and such transient copies on many threads stay in malloc's per-thread arenas."""
+    zero = np.zeros(len(candidates), dtype=bool)
+    if not candidates.any():
+        return zero
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], candidates, [False])).astype(np.int8)))
+    for s, e in zip(edges[::2].tolist(), edges[1::2].tolist()):
+        zero[s:e] = ~a[s:e].any(axis=1)
     return zero
 
 
@@ -443,16 +449,18 @@ class PackResult:
     new_bytes: int
     new_blobs: int
     stats: dict[str, int] = field(default_factory=dict)
+    _first_pack: int = 0  # what ``table``'s layer fields are relative to now
 
     def encode_table(self, first_pack: int) -> bytes:
         """The compressed piece table, with ``packs[i]`` at manifest layer ``first_pack + i``."""
         rec = np.dtype([("fo", "<u8"), ("bo", "<u8"), ("fi", "<u4"), ("li", "<u4"), ("raw", "<u4"), ("stored", "<u4"),
                         ("flags", "<u4"), ("res", "<u4"), ("sha", "V32")])
         assert rec.itemsize == lay.RECORD.size
-        arr = np.frombuffer(self.table, dtype=rec).copy()
+        arr = np.frombuffer(self.table, dtype=rec)  # in place: no copy of a table of 270k pieces
         li = arr["li"]
-        li[li != lay.NO_LAYER] += np.uint32(first_pack)
-        return lay.encode_packed_table(arr.tobytes())
+        li[li != lay.NO_LAYER] += np.uint32(first_pack - self._first_pack)
+        self._first_pack = first_pack
+        return lay.encode_packed_table(self.table)
 
 
 class PackWriter:
