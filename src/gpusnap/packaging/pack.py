@@ -491,8 +491,9 @@ class PackWriter:
         self.scratch: queue.Queue[bytearray] = queue.LifoQueue()  # sealers' read-back buffers
         tail = (params.max_pages + params.zero_min_pages + 1) * PAGE
         # Windows: the reads in flight, plus those whose new pieces are being written (a write
-        # is a memcpy into the page cache, so few are), plus the main thread's.
-        self.nbuf = 2 * self.depth + 2
+        # is a memcpy into the page cache, so few are; when the disk holds the writes back, the
+        # reads wait for them), plus the main thread's.
+        self.nbuf = self.depth + max(4, self.workers // 2) + 2
         for _ in range(self.nbuf):
             self.free.put(_Buffer(params.window + tail, self.free))
         self.inflight: collections.deque[tuple[_Buffer | None, Future[list[_Piece]]]] = collections.deque()
