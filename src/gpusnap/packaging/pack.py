@@ -55,6 +55,9 @@ _K = np.array([
     0x8EBC6AF09C88C6E3, 0x589965CC75374CC3, 0x1D8E4E27C47D124F, 0x5851F42D4C957F2D,
 ], dtype=np.uint64)
 SCHEME = "pagemap-pages-v2"
+# Packs filled at once (see PackWriter): four pack digests in parallel outrun a 16-core host's
+# disk; fixed, not per core, so that a checkpoint makes the same packs on every host.
+LANES = 4
 _MAX_ZERO_PAGES = (1 << 30) // PAGE  # a zero piece's length must fit the table's 32-bit field
 
 
@@ -466,11 +469,13 @@ class PackResult:
 class PackWriter:
     """Writes the pieces of several files (one after the other) into pack blobs of ``store``.
 
-    Three pools: ``pool`` reads windows, finds zero pages, hashes and compresses pieces (one
-    thread per core); ``io`` writes each window's new pieces into their pack file (``pwritev``
-    straight from the window, which is then free again); ``sealers`` hash a full pack from its
-    file and make it durable, several packs at once. The main thread only decides, in file
-    order, which pieces are new and where they go, so the artifact does not depend on timing.
+    ``pool`` reads windows, finds zero pages, hashes and compresses pieces (one thread per
+    core). Packs are filled ``LANES`` at a time, consecutive windows going to consecutive lanes;
+    each lane's thread writes a window's new pieces into its open pack's file (``pwritev``
+    straight from the window, which is then free again) and hashes them for the pack digest as
+    it goes, so ``LANES`` pack digests run at once with no read-back. ``sealers`` flush full
+    packs and commit them. The main thread only decides, in file order, which pieces are new and
+    where they go: the artifact depends on the input only, not on timing or the number of cores.
     """
 
     def __init__(self, store: OciStore, *, compress: bool, params: PackParams = PackParams(),
@@ -483,12 +488,11 @@ class PackWriter:
         self.on_blob = on_blob
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack")
-        self.io = ThreadPoolExecutor(max(2, self.workers // 2), thread_name_prefix="gpusnap-pack-io")
+        self.lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"gpusnap-pack-lane{i}") for i in range(LANES)]
         self.sealers = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack-seal")
         self.depth = self.workers + 2
         self.max_sealing = 2 * self.workers + 2  # packs hashed/flushed at once before the reads wait
         self.free: queue.Queue[_Buffer] = queue.LifoQueue()  # reuse warm windows; cold ones never cost memory
-        self.scratch: queue.Queue[bytearray] = queue.LifoQueue()  # sealers' read-back buffers
         tail = (params.max_pages + params.zero_min_pages + 1) * PAGE
         # Windows: the reads in flight, plus those whose new pieces are being written (a write
         # is a memcpy into the page cache, so few are; when the disk holds the writes back, the
@@ -503,7 +507,8 @@ class PackWriter:
         self.packs: list[Any] = []  # _Pack (new) or Descriptor (known), first-use order
         self._known_at: dict[str, int] = {}
         self.all_new: list[_Pack] = []
-        self.open: _Pack | None = None
+        self.open: list[_Pack | None] = [None] * LANES  # each lane's pack being filled
+        self.seq = 0  # units (windows, batches) placed so far: unit i fills lane i % LANES
         self.sealing: collections.deque[_Pack] = collections.deque()
         self.new_bytes = 0
         self.stats = {"pieces": 0, "zero_pieces": 0, "zero_bytes": 0, "deduped_pieces": 0, "deduped_bytes": 0,
@@ -559,7 +564,8 @@ class PackWriter:
         return pieces
 
     def _write(self, buf: _Buffer | None, runs: list[tuple[_Pack, int, list[Any]]]) -> None:
-        """io pool: write runs of new pieces (consecutive in their pack) where they go."""
+        """A lane's thread: write runs of new pieces (consecutive in their pack) where they go,
+        in order, so that the pack's writer hashes them as written."""
         try:
             for pack, off, views in runs:
                 pack.writer.pwrite(views, off)
@@ -571,19 +577,12 @@ class PackWriter:
                 self._release(buf)
 
     def _commit_pack(self, pack: _Pack) -> Descriptor:
-        """sealers: once every piece is in the file, hash it, flush it, add it as a blob."""
+        """sealers: once every piece is in the file (and hashed), flush it, add it as a blob."""
         try:
             for f in pack.writes:
                 f.result()
             pack.writes = []
-            try:
-                scratch = self.scratch.get_nowait()
-            except queue.Empty:
-                scratch = bytearray(PlacedBlobWriter.HASH_CHUNK)
-            try:
-                digest = pack.writer.commit(pack.size, scratch)
-            finally:
-                self.scratch.put(scratch)
+            digest = pack.writer.commit(pack.size)  # hashed as written: flush and commit
             desc = Descriptor(lay.MEDIA_PACK, digest, pack.size)
             pack.desc = desc
             if self.on_blob is not None:
@@ -653,13 +652,13 @@ class PackWriter:
             self.packs.append(desc)
         return i
 
-    def _flush(self, buf: _Buffer | None, runs: list[tuple[_Pack, int, list[Any]]]) -> None:
+    def _flush(self, buf: _Buffer | None, runs: list[tuple[_Pack, int, list[Any]]], lane: int) -> None:
         if not runs:
             return
         if buf is not None:
             with self._lock:
                 buf.refs += 1
-        fut = self.io.submit(self._write, buf, runs)
+        fut = self.lanes[lane].submit(self._write, buf, runs)
         for pack in {id(r[0]): r[0] for r in runs}.values():
             pack.writes.append(fut)
 
@@ -674,6 +673,8 @@ class PackWriter:
             raise
         runs: list[tuple[_Pack, int, list[Any]]] = []  # new pieces of this window, per pack, consecutive
         stats = self.stats
+        lane = self.seq % LANES
+        self.seq += 1
         try:
             for pc in pieces:
                 stats["pieces"] += 1
@@ -699,8 +700,8 @@ class PackWriter:
                 compressed = pc.stored is not None
                 data = pc.stored if compressed else pc.view
                 stats["compressed_pieces"] += compressed
-                pack = self.open if self.open is not None else self._new_pack()
-                self.open = pack
+                pack = self.open[lane] or self._new_pack()
+                self.open[lane] = pack
                 n = len(data)
                 off = pack.size
                 pack.size += n
@@ -714,11 +715,11 @@ class PackWriter:
                 self.new_bytes += n
                 pc.view = pc.stored = None
                 if pack.size >= self.p.pack_target:
-                    self._flush(buf, runs)
+                    self._flush(buf, runs, lane)
                     runs = []
-                    self.open = None
+                    self.open[lane] = None
                     self._seal(pack)
-            self._flush(buf, runs)
+            self._flush(buf, runs, lane)
         finally:
             if buf is not None:
                 self._release(buf)
@@ -824,9 +825,10 @@ class PackWriter:
     def finish(self) -> PackResult:
         while self.inflight:
             self._drain_one()
-        if self.open is not None:
-            pack, self.open = self.open, None
-            self._seal(pack)
+        for lane, pack in enumerate(self.open):
+            if pack is not None:
+                self.open[lane] = None
+                self._seal(pack)
         while self.sealing:
             self.sealing.popleft().future.result()  # type: ignore[union-attr]
         self._check()
@@ -846,7 +848,7 @@ class PackWriter:
     def _shutdown(self, cancel: bool) -> None:
         # reads first (they feed nothing once the main thread stops), then the writes the
         # sealers wait for, then the sealers
-        for pool in (self.pool, self.io, self.sealers):
+        for pool in (self.pool, *self.lanes, self.sealers):
             pool.shutdown(wait=True, cancel_futures=cancel)
         self._close_fds()
 

@@ -255,13 +255,12 @@ class BlobWriter:
 
 
 class PlacedBlobWriter:
-    """A file in ``ingest/`` filled by ``pwrite`` at known offsets, from several threads at once,
-    then hashed by reading it back at :meth:`commit` (a pack of format v2: its pieces arrive as
-    they are decided and are written at once, so no read window waits for the whole pack).
+    """A file in ``ingest/`` filled by ``pwritev`` at given offsets (a pack of format v2: its
+    pieces are written as soon as they are placed, so no read window waits for the whole pack).
 
-    Why hash at the end and not as written: the pieces of one pack are written by different
-    threads, out of order; reading back 32 MiB from the page cache costs a memcpy, while hashing
-    in order would make every writer wait for the one before it.
+    Writes that arrive in order (each at the end of the previous one: one thread per pack) are
+    hashed as they are written, from the caller's buffers; if any arrived out of order, the file
+    is read back and hashed at :meth:`commit` instead (a memcpy from the page cache more).
     """
 
     HASH_CHUNK = 1 << 20
@@ -272,6 +271,8 @@ class PlacedBlobWriter:
         self.fd, name = tempfile.mkstemp(dir=store.ingest_dir, prefix="pack-")
         self._path = Path(name)
         self._done = False
+        self._hash = hashlib.sha256()
+        self._hashed = 0  # bytes hashed in order so far; -1 once a write came out of order
 
     def pwrite(self, views: list[Any], offset: int) -> int:
         """Write ``views`` (buffers) back to back at ``offset``; returns the bytes written."""
@@ -294,6 +295,12 @@ class PlacedBlobWriter:
                     if n <= 0:
                         raise OSError(errno.EIO, "short write")
                     done += n
+                if self._hashed == offset:
+                    for v in batch:
+                        self._hash.update(v)
+                    self._hashed += want
+                else:
+                    self._hashed = -1
                 offset += want
                 total += want
         except OSError as exc:
@@ -306,13 +313,13 @@ class PlacedBlobWriter:
         """Hash the ``size`` bytes of the file, make them durable (``sync``) and add the blob as
         pending; returns its digest. On any failure the file is removed."""
         try:
-            h = hashlib.sha256()
-            buf = scratch if scratch is not None else bytearray(self.HASH_CHUNK)
-            view = memoryview(buf)
-            pos = 0
+            in_order = self._hashed == size
+            h = self._hash if in_order else hashlib.sha256()
+            pos = size if in_order else 0
             try:
                 if os.fstat(self.fd).st_size != size:
                     raise IntegrityError(f"pack file is {os.fstat(self.fd).st_size} bytes, expected {size}; a write was lost")
+                view = memoryview(scratch if scratch is not None else bytearray(0 if in_order else self.HASH_CHUNK))
                 while pos < size:
                     n = os.preadv(self.fd, [view[: min(len(view), size - pos)]], pos)
                     if n <= 0:
