@@ -136,7 +136,7 @@ def encode_table(records: Iterable[tuple[int, int, int, int, int, int, int, byte
 
 def encode_packed_table(body: bytes | bytearray | memoryview) -> bytes:
     """Records already packed with :data:`RECORD` back to back → compressed table (the writer
-    keeps its records in this form: 64 bytes a piece instead of a tuple of Python objects)."""
+    keeps its records in this form: 72 bytes a piece instead of a tuple of Python objects)."""
     if len(body) % RECORD.size:
         raise ValueError("packed records are not a whole number of records")
     cctx = zstandard.ZstdCompressor(level=3)
