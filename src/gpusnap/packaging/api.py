@@ -108,6 +108,7 @@ def store_checkpoint(
     parent: str | None = None,
     encryption: EncryptionConfig | None = None,
     on_blob: Callable[[Descriptor], None] | None = None,
+    workers: int | None = None,
 ) -> StoredCheckpoint:
     """Package a checkpoint (directory or podman archive) as an artifact tagged ``ref`` in the store.
 
@@ -118,6 +119,7 @@ def store_checkpoint(
     tar layers, piece table and config from this thread (docs/artifact-format.md, "Format v2").
     Blobs reused from earlier checkpoints are not reported; an exception from it fails the
     store. Not called with ``encryption`` (the plaintext blobs are not what is pushed).
+    ``workers``: threads that read, hash and write (default: one per core).
     """
     _check_form(form)
     source = Path(source)
@@ -140,7 +142,7 @@ def store_checkpoint(
                                       # not kept at rest, so there are no stored pieces to reference,
                                       # and v1's content-defined blobs still encrypt to the same
                                       # ciphertext (dedup between encrypted checkpoints).
-                                      version=2 if encryption is None else 1)
+                                      version=2 if encryption is None else 1, workers=workers)
             manifest_digest, manifest_size = built.manifest_digest, built.manifest_size
             if encryption is not None:
                 from gpusnap.packaging.encrypted import encrypt_manifest

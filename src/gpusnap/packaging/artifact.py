@@ -356,11 +356,7 @@ def build_artifact(
     if packed is not None:
         new_bytes = packed.new_bytes
         first_pack = len(layers) + 1
-        index = {p.digest: first_pack + i for i, p in enumerate(packed.packs)}
-        table = lay.encode_table(
-            (fo, bo, fi, lay.NO_LAYER if blob is None else index[blob.digest], raw, stored, flags, sha)
-            for blob, fo, bo, fi, raw, stored, flags, sha in packed.records
-        )
+        table = packed.encode_table(first_pack)
         table_digest = store.put_bytes(table)
         table_desc = Descriptor(MEDIA_PIECES, table_digest, len(table), {A_TITLE: "pieces"})
         if on_blob is not None:

@@ -134,7 +134,18 @@ def encode_table(records: Iterable[tuple[int, int, int, int, int, int, int, byte
     return zstandard.ZstdCompressor(level=3).compress(raw)
 
 
-def decode_table(data: bytes) -> list[tuple[int, int, int, int, int, int, int, bytes]]:
+def encode_packed_table(body: bytes | bytearray | memoryview) -> bytes:
+    """Records already packed with :data:`RECORD` back to back → compressed table (the writer
+    keeps its records in this form: 72 bytes a piece instead of a tuple of Python objects)."""
+    if len(body) % RECORD.size:
+        raise ValueError("packed records are not a whole number of records")
+    cctx = zstandard.ZstdCompressor(level=3)
+    out = cctx.compressobj(size=_HEADER.size + len(body))
+    head = out.compress(_HEADER.pack(TABLE_MAGIC, len(body) // RECORD.size, RECORD.size))
+    return head + out.compress(body) + out.flush()
+
+
+def _table_body(data: bytes) -> memoryview:
     try:
         raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_TABLE)
     except zstandard.ZstdError as exc:
@@ -144,7 +155,17 @@ def decode_table(data: bytes) -> list[tuple[int, int, int, int, int, int, int, b
     magic, n, size = _HEADER.unpack_from(raw)
     if magic != TABLE_MAGIC or size != RECORD.size or len(raw) != _HEADER.size + n * size:
         raise IntegrityError("piece table header does not match its content; the artifact is corrupt")
-    return [(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[8]) for r in RECORD.iter_unpack(memoryview(raw)[_HEADER.size:])]
+    return memoryview(raw)[_HEADER.size:]
+
+
+def iter_table(data: bytes) -> Iterable[tuple[int, int, int, int, int, int, int, bytes]]:
+    """The records of a compressed table, one at a time (the table is checked first)."""
+    body = _table_body(data)
+    return ((r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[8]) for r in RECORD.iter_unpack(body))
+
+
+def decode_table(data: bytes) -> list[tuple[int, int, int, int, int, int, int, bytes]]:
+    return list(iter_table(data))
 
 
 def layout_from_parts(manifest: dict[str, Any], config: dict[str, Any], read_blob: Callable[[Descriptor], bytes]) -> Layout:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+from array import array
 import mmap
 import os
 import queue
@@ -41,7 +42,7 @@ from pyfastcdc import FastCDC
 
 from gpusnap.errors import IntegrityError
 from gpusnap.packaging import layout as lay
-from gpusnap.packaging.store import Descriptor, OciStore
+from gpusnap.packaging.store import Descriptor, OciStore, PlacedBlobWriter
 
 PAGE = 4096
 _WORDS = PAGE // 8
@@ -54,6 +55,10 @@ _K = np.array([
     0x8EBC6AF09C88C6E3, 0x589965CC75374CC3, 0x1D8E4E27C47D124F, 0x5851F42D4C957F2D,
 ], dtype=np.uint64)
 SCHEME = "pagemap-pages-v2"
+# Packs filled at once (see PackWriter): four pack digests in parallel outrun a 16-core host's
+# disk; fixed, not per core, so that a checkpoint makes the same packs on every host.
+LANES = 4
+_MAX_ZERO_PAGES = (1 << 30) // PAGE  # a zero piece's length must fit the table's 32-bit field
 
 
 @dataclass(frozen=True)
@@ -93,10 +98,7 @@ def page_features(view: memoryview, npages: int, divisor: int) -> tuple[np.ndarr
     a = np.frombuffer(view, dtype=np.uint64, count=npages * _WORDS).reshape(npages, _WORDS)
     s = a[:, ::_SAMPLE_STRIDE]
     sample_zero = ~s.any(axis=1)
-    zero = np.zeros(npages, dtype=bool)
-    idx = np.flatnonzero(sample_zero)
-    if idx.size:
-        zero[idx] = ~a[idx].any(axis=1)
+    zero = _full_check(a, sample_zero)
     h = (s * _K).sum(axis=1, dtype=np.uint64)
     h ^= h >> np.uint64(29)
     cut = ((h >> np.uint64(20)) % np.uint64(divisor) == 0) & ~sample_zero
@@ -106,10 +108,19 @@ def page_features(view: memoryview, npages: int, divisor: int) -> tuple[np.ndarr
 def page_zero(view: memoryview, npages: int) -> np.ndarray:
     """Per page: is it all zero? (Full check only where the sampled words are all zero.)"""
     a = np.frombuffer(view, dtype=np.uint64, count=npages * _WORDS).reshape(npages, _WORDS)
-    zero = ~a[:, ::_SAMPLE_STRIDE].any(axis=1)
-    idx = np.flatnonzero(zero)
-    if idx.size:
-        zero[idx] = ~a[idx].any(axis=1)
+    return _full_check(a, ~a[:, ::_SAMPLE_STRIDE].any(axis=1))
+
+
+def _full_check(a: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """Which candidate pages (rows of ``a``) are all zero, checked run by run on views of ``a``:
+    indexing ``a`` with the candidates' indexes would copy them (4 MiB a window when it is all
+    zero), and such transient copies on many threads stay in malloc's per-thread arenas."""
+    zero = np.zeros(len(candidates), dtype=bool)
+    if not candidates.any():
+        return zero
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], candidates, [False])).astype(np.int8)))
+    for s, e in zip(edges[::2].tolist(), edges[1::2].tolist()):
+        zero[s:e] = ~a[s:e].any(axis=1)
     return zero
 
 
@@ -265,7 +276,7 @@ class AlignedCutter:
             for k in range(len(starts) - 1):
                 a, b, z = int(starts[k]), int(starts[k + 1]), bool(allzero[k])
                 if z:
-                    if self.zero is not None and self.zero[1] == a:
+                    if self.zero is not None and self.zero[1] == a and b - self.zero[0] <= _MAX_ZERO_PAGES:
                         self.zero = (self.zero[0], b)
                     else:
                         self._flush_zero(out)
@@ -298,12 +309,49 @@ class KnownPiece:
     flags: int
 
 
-# ~150 B each: 500k pieces (~75 MB) cover the parent and two more 20 GB checkpoints at 128 KiB;
-# older checkpoints beyond it are simply not deduped against (bounded memory, never wrong).
+# 500k pieces cover the parent and two more 20 GB checkpoints at 128 KiB; older checkpoints
+# beyond it are simply not deduped against (bounded memory, never wrong).
 MAX_KNOWN = 500_000
 
 
-def known_pieces(store: OciStore, prefer: list[str] | None = None, limit: int = MAX_KNOWN) -> dict[bytes, KnownPiece]:
+class KnownIndex:
+    """Raw SHA-256 → where a piece of an earlier checkpoint lies, in ~130 bytes a piece: the
+    digest is the only Python object per piece; the rest sits in one flat array (a dict of
+    records cost ~250 bytes a piece, 130 MB for the 500k limit)."""
+
+    _W = 5  # pack index, blob offset, stored length, raw length, flags
+
+    def __init__(self) -> None:
+        self.packs: list[Descriptor] = []
+        self._pack_at: dict[str, int] = {}
+        self._where: dict[bytes, int] = {}
+        self._rows = array("q")
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, sha: object) -> bool:
+        return sha in self._where
+
+    def add(self, sha: bytes, blob: Descriptor, blob_offset: int, stored: int, raw: int, flags: int) -> None:
+        if sha in self._where:
+            return
+        pi = self._pack_at.get(blob.digest)
+        if pi is None:
+            pi = self._pack_at[blob.digest] = len(self.packs)
+            self.packs.append(blob)
+        self._where[sha] = len(self._rows) // self._W
+        self._rows.extend((pi, blob_offset, stored, raw, flags))
+
+    def get(self, sha: bytes) -> KnownPiece | None:
+        i = self._where.get(sha)
+        if i is None:
+            return None
+        pi, bo, stored, raw, flags = self._rows[i * self._W:(i + 1) * self._W]
+        return KnownPiece(self.packs[pi], bo, stored, raw, flags)
+
+
+def known_pieces(store: OciStore, prefer: list[str] | None = None, limit: int = MAX_KNOWN) -> KnownIndex:
     """Pieces of v2 checkpoints already in ``store``: raw SHA-256 → where they lie.
 
     Derived from the stored artifacts themselves (manifest + piece table, both verified when
@@ -312,7 +360,7 @@ def known_pieces(store: OciStore, prefer: list[str] | None = None, limit: int = 
     """
     import json
 
-    out: dict[bytes, KnownPiece] = {}
+    out = KnownIndex()
     seen: set[str] = set()
     tags = store.tags()
     order = list(prefer or [])
@@ -334,7 +382,7 @@ def known_pieces(store: OciStore, prefer: list[str] | None = None, limit: int = 
             tables = [d for d in layers if d.media_type == lay.MEDIA_PIECES]
             if len(tables) != 1:
                 continue  # v1 or encrypted: nothing to reference piecewise
-            records = lay.decode_table(store.read_bytes(tables[0].digest, limit=lay.MAX_TABLE))
+            records = lay.iter_table(store.read_bytes(tables[0].digest, limit=lay.MAX_TABLE))
         except (IntegrityError, OSError, ValueError, json.JSONDecodeError):
             continue
         except Exception:  # noqa: BLE001 - a damaged old checkpoint only means less dedup
@@ -347,9 +395,9 @@ def known_pieces(store: OciStore, prefer: list[str] | None = None, limit: int = 
             if ok is None:
                 ok = present[li] = layers[li].media_type == lay.MEDIA_PACK and store.has_blob(layers[li].digest)
             if ok:
-                out[sha] = KnownPiece(layers[li], bo, stored, raw, flags)
-        if len(out) >= limit:
-            break
+                out.add(sha, layers[li], bo, stored, raw, flags)
+                if len(out) >= limit:
+                    break
     return out
 
 
@@ -369,10 +417,15 @@ class _Buffer:
 
 
 class _Pack:
-    def __init__(self) -> None:
-        self.parts: list[Any] = []  # memoryviews / bytes, in blob order
-        self.buffers: list[_Buffer] = []
+    """A pack being filled: its pieces are written to its file as soon as they are placed."""
+
+    __slots__ = ("writer", "index", "size", "writes", "desc", "future")
+
+    def __init__(self, writer: PlacedBlobWriter, index: int) -> None:
+        self.writer = writer
+        self.index = index  # in PackWriter.packs (first-use order)
         self.size = 0
+        self.writes: list[Future[None]] = []  # pwrites of its pieces, not yet waited for
         self.desc: Descriptor | None = None
         self.future: Future[Descriptor] | None = None
 
@@ -386,56 +439,82 @@ class _Piece:
     view: Any = None  # raw bytes (memoryview into a window buffer, or bytes)
     sha: bytes = b""
     stored: Any = None  # zstd frame when compressed and it paid
-    # where it lies once placed
-    pack: Any = None  # _Pack or Descriptor (known piece)
-    blob_offset: int = 0
-    stored_len: int = 0
-    flags: int = 0
+
+
+_ZERO_SHA = b"\0" * 32
+_RECORD_PACK = lay.RECORD.pack
 
 
 @dataclass
 class PackResult:
-    records: list[tuple[Any, int, int, int, int, int, int, bytes]]  # (pack or desc, file_offset, blob_offset, file, raw, stored, flags, sha)
+    table: bytearray  # lay.RECORD records back to back; layer field = index in ``packs`` (NO_LAYER: zero piece)
     packs: list[Descriptor]  # every pack blob referenced, first-use order
     new_bytes: int
     new_blobs: int
     stats: dict[str, int] = field(default_factory=dict)
+    _first_pack: int = 0  # what ``table``'s layer fields are relative to now
+
+    def encode_table(self, first_pack: int) -> bytes:
+        """The compressed piece table, with ``packs[i]`` at manifest layer ``first_pack + i``."""
+        rec = np.dtype([("fo", "<u8"), ("bo", "<u8"), ("fi", "<u4"), ("li", "<u4"), ("raw", "<u4"), ("stored", "<u4"),
+                        ("flags", "<u4"), ("res", "<u4"), ("sha", "V32")])
+        assert rec.itemsize == lay.RECORD.size
+        arr = np.frombuffer(self.table, dtype=rec)  # in place: no copy of a table of 270k pieces
+        li = arr["li"]
+        li[li != lay.NO_LAYER] += np.uint32(first_pack - self._first_pack)
+        self._first_pack = first_pack
+        return lay.encode_packed_table(self.table)
 
 
 class PackWriter:
-    """Writes the pieces of several files (one after the other) into pack blobs of ``store``."""
+    """Writes the pieces of several files (one after the other) into pack blobs of ``store``.
+
+    ``pool`` reads windows, finds zero pages, hashes and compresses pieces (one thread per
+    core). Packs are filled ``LANES`` at a time, consecutive windows going to consecutive lanes;
+    each lane's thread writes a window's new pieces into its open pack's file (``pwritev``
+    straight from the window, which is then free again) and hashes them for the pack digest as
+    it goes, so ``LANES`` pack digests run at once with no read-back. ``sealers`` flush full
+    packs and commit them. The main thread only decides, in file order, which pieces are new and
+    where they go: the artifact depends on the input only, not on timing or the number of cores.
+    """
 
     def __init__(self, store: OciStore, *, compress: bool, params: PackParams = PackParams(),
-                 known: dict[bytes, KnownPiece] | None = None, on_blob: Callable[[Descriptor], None] | None = None,
+                 known: KnownIndex | None = None, on_blob: Callable[[Descriptor], None] | None = None,
                  workers: int | None = None) -> None:
         self.store = store
         self.compress = compress
         self.p = params
-        self.known = known or {}
+        self.known = known if known is not None else KnownIndex()
         self.on_blob = on_blob
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack")
+        self.lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"gpusnap-pack-lane{i}") for i in range(LANES)]
+        self.sealers = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack-seal")
         self.depth = self.workers + 2
+        self.max_sealing = 2 * self.workers + 2  # packs hashed/flushed at once before the reads wait
         self.free: queue.Queue[_Buffer] = queue.LifoQueue()  # reuse warm windows; cold ones never cost memory
         tail = (params.max_pages + params.zero_min_pages + 1) * PAGE
-        # Enough windows for the reads in flight plus the open pack and a few packs being
-        # written (each pins its windows until its bytes are in the file): a pack's SHA-256 runs
-        # on one thread, so with many cores several packs must be hashed at once.
-        self.packs_in_flight = max(2, self.workers // 4)
-        self.nbuf = self.depth + (self.packs_in_flight + 1) * -(-params.pack_target // params.window) + 2
+        # Windows: the reads in flight, plus those whose new pieces are being written (a write
+        # is a memcpy into the page cache, so few are; when the disk holds the writes back, the
+        # reads wait for them), plus the main thread's.
+        self.nbuf = self.depth + max(4, self.workers // 2) + 2
         for _ in range(self.nbuf):
             self.free.put(_Buffer(params.window + tail, self.free))
         self.inflight: collections.deque[tuple[_Buffer | None, Future[list[_Piece]]]] = collections.deque()
-        self.fresh: dict[bytes, tuple[_Pack, int, int, int, int]] = {}  # new pieces: pack, offset, stored, flags, raw
-        self.records: list[tuple[Any, int, int, int, int, int, int, bytes]] = []
-        self.packs_order: list[Any] = []
-        self._pack_ids: set[int] = set()
-        self.open = _Pack()
-        self.sealed: list[_Pack] = []
+        self.fresh: dict[bytes, int] = {}  # new pieces: sha → record index in ``table``
+        self.table = bytearray()
+        self.nrecords = 0
+        self.packs: list[Any] = []  # _Pack (new) or Descriptor (known), first-use order
+        self._known_at: dict[str, int] = {}
+        self.all_new: list[_Pack] = []
+        self.open: list[_Pack | None] = [None] * LANES  # each lane's pack being filled
+        self.seq = 0  # units (windows, batches) placed so far: unit i fills lane i % LANES
+        self.sealing: collections.deque[_Pack] = collections.deque()
         self.new_bytes = 0
         self.stats = {"pieces": 0, "zero_pieces": 0, "zero_bytes": 0, "deduped_pieces": 0, "deduped_bytes": 0,
                       "new_pieces": 0, "compressed_pieces": 0}
         self._lock = threading.Lock()
+        self._failed: BaseException | None = None
         self._fds: list[int] = []
 
     # -- worker side -------------------------------------------------------------------------
@@ -484,28 +563,41 @@ class PackWriter:
                     misses += 1  # incompressible data (weights): stop trying for this window
         return pieces
 
-    def _write_pack(self, pack: _Pack) -> Descriptor:
-        def release() -> None:
-            pack.parts = []
-            for b in pack.buffers:
-                self._release(b)
-            pack.buffers = []
-
+    def _write(self, buf: _Buffer | None, runs: list[tuple[_Pack, int, list[Any]]]) -> None:
+        """A lane's thread: write runs of new pieces (consecutive in their pack) where they go,
+        in order, so that the pack's writer hashes them as written."""
         try:
-            with self.store.writer(sync=True, buffered=False) as w:
-                for part in pack.parts:
-                    w.write(part)
-                release()  # the bytes are in the file: recycle the windows before the fdatasync
-                digest = w.commit()
-                desc = Descriptor(lay.MEDIA_PACK, digest, w.size)
+            for pack, off, views in runs:
+                pack.writer.pwrite(views, off)
+        except BaseException as exc:
+            self._failed = self._failed or exc
+            raise
+        finally:
+            if buf is not None:
+                self._release(buf)
+
+    def _commit_pack(self, pack: _Pack) -> Descriptor:
+        """sealers: once every piece is in the file (and hashed), flush it, add it as a blob."""
+        try:
+            for f in pack.writes:
+                f.result()
+            pack.writes = []
+            digest = pack.writer.commit(pack.size)  # hashed as written: flush and commit
+            desc = Descriptor(lay.MEDIA_PACK, digest, pack.size)
             pack.desc = desc
             if self.on_blob is not None:
                 self.on_blob(desc)
             return desc
-        finally:
-            release()
+        except BaseException as exc:
+            pack.writer.abort()
+            self._failed = self._failed or exc
+            raise
 
     # -- main thread -------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
     def _get_buffer(self) -> _Buffer:
         try:
             return self.free.get_nowait()
@@ -513,25 +605,26 @@ class PackWriter:
             pass
         while self.inflight:
             self._drain_one()
-        try:
-            return self.free.get_nowait()
-        except queue.Empty:
-            pass
-        if self.open.parts:
-            self._seal()
         while True:
+            self._check()
             try:
-                return self.free.get(timeout=1)
+                return self.free.get(timeout=0.5)
             except queue.Empty:
-                for pk in self.sealed:
-                    if pk.future is not None and pk.future.done() and pk.future.exception() is not None:
-                        raise pk.future.exception()  # type: ignore[misc]
+                pass
 
-    def _seal(self) -> None:
-        pack = self.open
-        self.open = _Pack()
-        pack.future = self.pool.submit(self._write_pack, pack)
-        self.sealed.append(pack)
+    def _new_pack(self) -> _Pack:
+        pack = _Pack(self.store.placed_writer(sync=True), len(self.packs))
+        self.packs.append(pack)
+        self.all_new.append(pack)
+        return pack
+
+    def _seal(self, pack: _Pack) -> None:
+        pack.future = self.sealers.submit(self._commit_pack, pack)
+        self.sealing.append(pack)
+        while self.sealing and self.sealing[0].future.done():  # type: ignore[union-attr]
+            self.sealing.popleft().future.result()  # type: ignore[union-attr]
+        while len(self.sealing) > self.max_sealing:  # the disk is behind: let it catch up
+            self.sealing.popleft().future.result()  # type: ignore[union-attr]
 
     def _submit(self, buf: _Buffer | None, pieces: list[_Piece]) -> None:
         if buf is not None:
@@ -548,81 +641,94 @@ class PackWriter:
         while len(self.inflight) > self.depth:
             self._drain_one()
 
-    def _drain_one(self) -> None:
-        buf, fut = self.inflight.popleft()
-        pieces = fut.result()
-        idxs: list[int] = []  # parts of the open pack that are views into ``buf``
-        nbytes = 0
-        for pc in pieces:
-            self.stats["pieces"] += 1
-            if pc.zero:
-                self.stats["zero_pieces"] += 1
-                self.stats["zero_bytes"] += pc.raw
-                self.records.append((None, pc.offset, 0, pc.file, pc.raw, 0, lay.FLAG_ZERO, b"\0" * 32))
-                continue
-            k = self.known.get(pc.sha)
-            if k is not None and k.raw == pc.raw:
-                self._use(k.blob)
-                self.stats["deduped_pieces"] += 1
-                self.stats["deduped_bytes"] += pc.raw
-                self.records.append((k.blob, pc.offset, k.blob_offset, pc.file, pc.raw, k.stored, k.flags, pc.sha))
-                continue
-            f = self.fresh.get(pc.sha)
-            if f is not None and f[4] == pc.raw:
-                self.stats["deduped_pieces"] += 1
-                self.stats["deduped_bytes"] += pc.raw
-                self.records.append((f[0], pc.offset, f[1], pc.file, pc.raw, f[2], f[3], pc.sha))
-                continue
-            compressed = pc.stored is not None
-            data = pc.stored if compressed else pc.view
-            pc.flags = lay.FLAG_ZSTD if compressed else 0
-            self.stats["compressed_pieces"] += compressed
-            pc.stored_len = len(data)
-            pc.pack = self.open
-            pc.blob_offset = self.open.size
-            self._use(self.open)
-            if not compressed and buf is not None:
-                idxs.append(len(self.open.parts))
-                nbytes += pc.raw
-            self.open.parts.append(data)
-            self.open.size += pc.stored_len
-            self.fresh[pc.sha] = (pc.pack, pc.blob_offset, pc.stored_len, pc.flags, pc.raw)
-            self.stats["new_pieces"] += 1
-            self.new_bytes += pc.stored_len
-            self.records.append((pc.pack, pc.offset, pc.blob_offset, pc.file, pc.raw, pc.stored_len, pc.flags, pc.sha))
-            pc.view = pc.stored = None
-            if self.open.size >= self.p.pack_target:
-                self._settle(self.open, buf, idxs, nbytes)
-                idxs, nbytes = [], 0
-                self._seal()
-        self._settle(self.open, buf, idxs, nbytes)
+    def _record(self, fo: int, bo: int, fi: int, li: int, raw: int, stored: int, flags: int, sha: bytes) -> None:
+        self.table += _RECORD_PACK(fo, bo, fi, li, raw, stored, flags, 0, sha)
+        self.nrecords += 1
+
+    def _known_pack(self, desc: Descriptor) -> int:
+        i = self._known_at.get(desc.digest)
+        if i is None:
+            i = self._known_at[desc.digest] = len(self.packs)
+            self.packs.append(desc)
+        return i
+
+    def _flush(self, buf: _Buffer | None, runs: list[tuple[_Pack, int, list[Any]]], lane: int) -> None:
+        if not runs:
+            return
         if buf is not None:
-            self._release(buf)
+            with self._lock:
+                buf.refs += 1
+        fut = self.lanes[lane].submit(self._write, buf, runs)
+        for pack in {id(r[0]): r[0] for r in runs}.values():
+            pack.writes.append(fut)
+
+    def _drain_one(self) -> None:
+        self._check()
+        buf, fut = self.inflight.popleft()
+        try:
+            pieces = fut.result()
+        except BaseException:
+            if buf is not None:
+                self._release(buf)
+            raise
+        runs: list[tuple[_Pack, int, list[Any]]] = []  # new pieces of this window, per pack, consecutive
+        stats = self.stats
+        lane = self.seq % LANES
+        self.seq += 1
+        try:
+            for pc in pieces:
+                stats["pieces"] += 1
+                if pc.zero:
+                    stats["zero_pieces"] += 1
+                    stats["zero_bytes"] += pc.raw
+                    self._record(pc.offset, 0, pc.file, lay.NO_LAYER, pc.raw, 0, lay.FLAG_ZERO, _ZERO_SHA)
+                    continue
+                k = self.known.get(pc.sha)
+                if k is not None and k.raw == pc.raw:
+                    stats["deduped_pieces"] += 1
+                    stats["deduped_bytes"] += pc.raw
+                    self._record(pc.offset, k.blob_offset, pc.file, self._known_pack(k.blob), pc.raw, k.stored, k.flags, pc.sha)
+                    continue
+                r = self.fresh.get(pc.sha)
+                if r is not None:
+                    _fo, bo, _fi, li, raw, stored, flags, _res, _sha = lay.RECORD.unpack_from(self.table, r * lay.RECORD.size)
+                    if raw == pc.raw:
+                        stats["deduped_pieces"] += 1
+                        stats["deduped_bytes"] += pc.raw
+                        self._record(pc.offset, bo, pc.file, li, raw, stored, flags, pc.sha)
+                        continue
+                compressed = pc.stored is not None
+                data = pc.stored if compressed else pc.view
+                stats["compressed_pieces"] += compressed
+                pack = self.open[lane] or self._new_pack()
+                self.open[lane] = pack
+                n = len(data)
+                off = pack.size
+                pack.size += n
+                if runs and runs[-1][0] is pack:
+                    runs[-1][2].append(data)
+                else:
+                    runs.append((pack, off, [data]))
+                self.fresh[pc.sha] = self.nrecords
+                self._record(pc.offset, off, pc.file, pack.index, pc.raw, n, lay.FLAG_ZSTD if compressed else 0, pc.sha)
+                stats["new_pieces"] += 1
+                self.new_bytes += n
+                pc.view = pc.stored = None
+                if pack.size >= self.p.pack_target:
+                    self._flush(buf, runs, lane)
+                    runs = []
+                    self.open[lane] = None
+                    self._seal(pack)
+            self._flush(buf, runs, lane)
+        finally:
+            if buf is not None:
+                self._release(buf)
 
     def _release(self, buf: _Buffer) -> None:
         with self._lock:
             buf.refs -= 1
             if buf.refs == 0:
                 buf.pool.put(buf)
-
-    def _settle(self, pack: _Pack, buf: _Buffer | None, idxs: list[int], nbytes: int) -> None:
-        """``pack`` keeps ``buf`` alive for the views ``idxs``, or, when they are a small part
-        of the window, gets copies instead: sparse new data (a second checkpoint) must not pin
-        every window buffer and force tiny packs."""
-        if buf is None or not idxs:
-            return
-        if nbytes * 2 < self.p.window:
-            for i in idxs:
-                pack.parts[i] = bytes(pack.parts[i])
-            return
-        with self._lock:
-            buf.refs += 1
-        pack.buffers.append(buf)
-
-    def _use(self, pack: Any) -> None:
-        if id(pack) not in self._pack_ids:
-            self._pack_ids.add(id(pack))
-            self.packs_order.append(pack)
 
     # -- feeding files ---------------------------------------------------------------------------
     def add_pages_fd(self, file_index: int, fd: int, size: int, ranges: list[Any]) -> int:
@@ -719,21 +825,31 @@ class PackWriter:
     def finish(self) -> PackResult:
         while self.inflight:
             self._drain_one()
-        if self.open.parts:
-            self._seal()
-        for pk in self.sealed:
-            assert pk.future is not None
-            pk.future.result()
-        packs = [pk.desc if isinstance(pk, _Pack) else pk for pk in self.packs_order]
-        records = [((r[0].desc if isinstance(r[0], _Pack) else r[0]),) + r[1:] for r in self.records]
-        self.pool.shutdown(wait=True)
-        self._close_fds()
-        return PackResult(records, packs, self.new_bytes, len(self.sealed), self.stats)  # type: ignore[arg-type]
+        for lane, pack in enumerate(self.open):
+            if pack is not None:
+                self.open[lane] = None
+                self._seal(pack)
+        while self.sealing:
+            self.sealing.popleft().future.result()  # type: ignore[union-attr]
+        self._check()
+        packs = [pk.desc if isinstance(pk, _Pack) else pk for pk in self.packs]
+        self._shutdown(cancel=False)
+        return PackResult(self.table, packs, self.new_bytes, len(self.all_new), self.stats)  # type: ignore[arg-type]
 
     def abort(self) -> None:
+        self._failed = self._failed or RuntimeError("aborted")
         for _, fut in self.inflight:
             fut.cancel()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self._shutdown(cancel=True)
+        for pack in self.all_new:
+            if pack.desc is None:
+                pack.writer.abort()  # its file never became a blob: leave nothing in ingest/
+
+    def _shutdown(self, cancel: bool) -> None:
+        # reads first (they feed nothing once the main thread stops), then the writes the
+        # sealers wait for, then the sealers
+        for pool in (self.pool, *self.lanes, self.sealers):
+            pool.shutdown(wait=True, cancel_futures=cancel)
         self._close_fds()
 
     def _close_fds(self) -> None:

@@ -254,6 +254,104 @@ class BlobWriter:
             self.abort()
 
 
+class PlacedBlobWriter:
+    """A file in ``ingest/`` filled by ``pwritev`` at given offsets (a pack of format v2: its
+    pieces are written as soon as they are placed, so no read window waits for the whole pack).
+
+    Writes that arrive in order (each at the end of the previous one: one thread per pack) are
+    hashed as they are written, from the caller's buffers; if any arrived out of order, the file
+    is read back and hashed at :meth:`commit` instead (a memcpy from the page cache more).
+    """
+
+    HASH_CHUNK = 1 << 20
+
+    def __init__(self, store: "OciStore", *, sync: bool = True) -> None:
+        self._store = store
+        self._sync = sync
+        self.fd, name = tempfile.mkstemp(dir=store.ingest_dir, prefix="pack-")
+        self._path = Path(name)
+        self._done = False
+        self._hash = hashlib.sha256()
+        self._hashed = 0  # bytes hashed in order so far; -1 once a write came out of order
+
+    def pwrite(self, views: list[Any], offset: int) -> int:
+        """Write ``views`` (buffers) back to back at ``offset``; returns the bytes written."""
+        total = 0
+        try:
+            for i in range(0, len(views), 512):  # IOV_MAX is 1024
+                batch = [memoryview(v).cast("B") for v in views[i:i + 512]]
+                want = sum(len(v) for v in batch)
+                done = os.pwritev(self.fd, batch, offset)
+                while done < want:  # a short write: go on from where it stopped
+                    rest: list[memoryview] = []
+                    skip = done
+                    for v in batch:
+                        if skip >= len(v):
+                            skip -= len(v)
+                            continue
+                        rest.append(v[skip:])
+                        skip = 0
+                    n = os.pwritev(self.fd, rest, offset + done)
+                    if n <= 0:
+                        raise OSError(errno.EIO, "short write")
+                    done += n
+                if self._hashed == offset:
+                    for v in batch:
+                        self._hash.update(v)
+                    self._hashed += want
+                else:
+                    self._hashed = -1
+                offset += want
+                total += want
+        except OSError as exc:
+            raise _storage_error(exc, self._store.root) from None
+        if self._sync:
+            _start_writeback(self.fd, offset - total, total)
+        return total
+
+    def commit(self, size: int, scratch: bytearray | None = None) -> str:
+        """Hash the ``size`` bytes of the file, make them durable (``sync``) and add the blob as
+        pending; returns its digest. On any failure the file is removed."""
+        try:
+            in_order = self._hashed == size
+            h = self._hash if in_order else hashlib.sha256()
+            pos = size if in_order else 0
+            try:
+                if os.fstat(self.fd).st_size != size:
+                    raise IntegrityError(f"pack file is {os.fstat(self.fd).st_size} bytes, expected {size}; a write was lost")
+                view = memoryview(scratch if scratch is not None else bytearray(0 if in_order else self.HASH_CHUNK))
+                while pos < size:
+                    n = os.preadv(self.fd, [view[: min(len(view), size - pos)]], pos)
+                    if n <= 0:
+                        raise IntegrityError(f"pack file ended at {pos} of {size} bytes; a write was lost")
+                    h.update(view[:n])
+                    pos += n
+                if self._sync:
+                    os.fdatasync(self.fd)
+                os.close(self.fd)
+                self.fd = -1
+            except OSError as exc:
+                raise _storage_error(exc, self._store.root) from None
+            digest = "sha256:" + h.hexdigest()
+            if self._store.has_blob(digest):
+                self._path.unlink()
+            else:
+                os.chmod(self._path, 0o600)
+                self._store._add_pending(digest, self._path, durable=self._sync)
+            self._done = True
+            return digest
+        finally:
+            if not self._done:
+                self.abort()
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self._path.unlink(missing_ok=True)
+        self._done = True
+
+
 @dataclass
 class TagEntry:
     ref: str
@@ -345,6 +443,9 @@ class OciStore:
 
     def writer(self, *, sync: bool = False, buffered: bool = True) -> BlobWriter:
         return BlobWriter(self, sync=sync, buffered=buffered)
+
+    def placed_writer(self, *, sync: bool = True) -> "PlacedBlobWriter":
+        return PlacedBlobWriter(self, sync=sync)
 
     def put_bytes(self, data: bytes, expected_digest: str | None = None, *, sync: bool = False) -> str:
         with self.writer(sync=sync) as w:

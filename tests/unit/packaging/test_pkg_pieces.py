@@ -313,6 +313,46 @@ def test_on_blob_reports_every_new_blob_once_complete(tmp_path: Path) -> None:
     assert sum(d["mediaType"] == lay.MEDIA_PACK for d in m["layers"]) >= 2  # 40 MiB: more than one pack
 
 
+def test_the_packs_depend_on_the_checkpoint_only_not_on_the_number_of_workers(tmp_path: Path) -> None:
+    # Packs are filled several at once on their own threads; which piece goes where is still
+    # decided in file order, so two hosts with different core counts make the same blobs (a
+    # registry that has them from one does not get them again from the other).
+    data = _rand(3 << 20, 81) + bytes(1 << 20) + _rand(2 << 20, 82)
+    src = _checkpoint(tmp_path / "a", [(0x10000000, data), (0x50000000, data[: 1 << 20])])
+    layers = []
+    for workers in (1, 4):
+        store = OciStore(tmp_path / f"s{workers}")
+        with store.writing():
+            built = fmt.build_artifact(store, fmt.iter_directory(src), form="criu-dir", metadata=None, compress=False, parent=None,
+                                       pack_params=PackParams(window=16 * PAGE, pack_target=96 * PAGE), workers=workers)
+        layers.append([(d.media_type, d.digest) for d in built.layers])
+    assert layers[0] == layers[1]
+    assert sum(t == lay.MEDIA_PACK for t, _ in layers[0]) > 4
+
+
+@pytest.mark.parametrize("fail_at", [1, 5])
+def test_a_failure_while_packs_are_written_leaves_no_blob_and_nothing_in_ingest(tmp_path: Path, fail_at: int) -> None:
+    # Small packs: when the failure comes, other packs are being written, hashed and flushed on
+    # their pools; all of them must be gone afterwards (files in ingest/, pending blobs).
+    src = _checkpoint(tmp_path / "a", [(0x10000000, _rand(6 << 20, 71))])
+    store = OciStore(tmp_path / "s")
+    calls: list[object] = []
+
+    def on_blob(desc: object) -> None:
+        calls.append(desc)
+        if len(calls) == fail_at:
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError), store.writing():
+        try:
+            fmt.build_artifact(store, fmt.iter_directory(src), form="criu-dir", metadata=None, compress=False, parent=None,
+                               pack_params=PackParams(window=16 * PAGE, pack_target=64 * PAGE), on_blob=on_blob, workers=3)
+        except BaseException:
+            store.discard_pending()
+            raise
+    assert store.tags() == [] and list(store.ingest_dir.iterdir()) == [] and list(store.blobs_dir.iterdir()) == []
+
+
 def test_layout_places_every_blob_into_files_without_the_store_api(tmp_path: Path) -> None:
     r = bytes(8 << 20) + _rand(3 << 20, 71)
     src = _checkpoint(tmp_path / "a", [(0x10000000, r), (0x90000000, r[: 1 << 20])])  # duplicate content too

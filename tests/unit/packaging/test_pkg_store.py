@@ -209,3 +209,33 @@ def test_synced_writer_starts_writeback_as_it_goes(tmp_path: Path, monkeypatch: 
         w.write(payload * 2)
         w.commit()
     assert ranges == []
+
+
+@pytest.mark.parametrize("order", ["in order", "out of order"])
+def test_placed_writer_gives_the_digest_of_what_is_in_the_file(tmp_path: Path, order: str) -> None:
+    # In order it hashes as it writes; out of order it reads the file back at commit. Either
+    # way the blob appears only at publish, under the digest of its bytes.
+    s = OciStore(tmp_path)
+    parts = [os.urandom(5000), bytearray(os.urandom(70000)), memoryview(os.urandom(3))]
+    offsets = [0, 5000, 75000]
+    w = s.placed_writer(sync=True)
+    writes = list(zip(parts, offsets))
+    if order == "out of order":
+        writes.reverse()
+    for data, off in writes:
+        assert w.pwrite([data], off) == len(data)
+    whole = b"".join(bytes(p) for p in parts)
+    digest = w.commit(len(whole))
+    assert digest == sha256_digest(whole)
+    s.publish()
+    assert s.read_bytes(digest) == whole and list(s.ingest_dir.iterdir()) == []
+
+
+def test_placed_writer_refuses_a_file_of_the_wrong_size_and_leaves_nothing(tmp_path: Path) -> None:
+    s = OciStore(tmp_path)
+    w = s.placed_writer(sync=False)
+    w.pwrite([b"abc", b"def"], 0)
+    with pytest.raises(IntegrityError, match="a write was lost"):
+        w.commit(7)
+    s.publish()
+    assert list(s.ingest_dir.iterdir()) == [] and list(s.blobs_dir.iterdir()) == []

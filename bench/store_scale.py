@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Store throughput and peak RSS of ``store_checkpoint`` on a large synthetic CRIU image directory.
+
+    .venv/bin/python bench/store_scale.py --gib 4 --src /dev/shm/gs-scale --store /var/tmp/gs-scale-store
+    .venv/bin/python bench/store_scale.py --gib 16 --src /var/tmp/gs-scale --store /var/tmp/gs-scale-store --rss-only
+
+The directory holds what a CRIU dump of a GPU process looks like to the store: a pagemap with
+many ranges at page-aligned addresses and one large ``pages-1.img``, of which ~70 % unique data
+(every page different, so nothing dedups by accident), ~18 % zero pages (a GPU server's share)
+and ~12 % pages repeated inside the checkpoint. It is generated, not random-read from the
+kernel: 1 GiB takes ~1 s. ``--workers 16`` sizes the store's pools as on a 16-core host (memory
+is what it shows there; time is this machine's). Each store runs in a fresh process (``--child``) whose own peak RSS
+(VmHWM, not ru_maxrss: a vforked child inherits its parent's high-water mark there) is reported
+with its time and CPU seconds per GB (user + system: on a shared machine the steadier figure). Runs: the first store into an empty store, then a second store of the same
+directory (everything known: what a checkpoint of unchanged memory costs).
+The source is made once and kept (``--keep``) so that before/after runs read the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = 4096
+MIB = 1 << 20
+GIB = 1 << 30
+BLOCK = 64 * MIB  # generated in blocks of this size
+RANGE_PAGES = 2048  # 8 MiB mappings, 2 MiB apart in the address space
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(num: int, value: int) -> bytes:
+    return _varint(num << 3) + _varint(value)
+
+
+def pagemap(pages_id: int, entries: list[tuple[int, int]]) -> bytes:
+    """A CRIU pagemap image (protobuf wire format): head, then (vaddr, nr_pages) present entries."""
+    img_common, pagemap_magic, pe_present = 0x54564319, 0x56084025, 4
+    msgs = [_field(1, pages_id)] + [_field(1, va) + _field(2, n) + _field(4, pe_present) for va, n in entries]
+    return struct.pack("<II", img_common, pagemap_magic) + b"".join(struct.pack("<I", len(m)) + m for m in msgs)
+
+
+def make_source(path: Path, size: int) -> None:
+    """Write the synthetic image directory (see the module doc)."""
+    if (path / "pages-1.img").is_file() and (path / "pages-1.img").stat().st_size == size:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    rng = np.random.default_rng(12)
+    base = rng.integers(0, 2**63, BLOCK // 8, dtype=np.uint64).reshape(-1, PAGE // 8)
+    shared = rng.integers(0, 2**63, 8 * MIB // 8, dtype=np.uint64).tobytes()  # repeated inside the checkpoint
+    pages_total = size // PAGE
+    with open(path / "pages-1.img", "wb") as f:
+        for blk in range(0, pages_total, BLOCK // PAGE):
+            n = min(BLOCK // PAGE, pages_total - blk)
+            k = blk // (BLOCK // PAGE)
+            kind = k % 17
+            if kind in (3, 9, 14):  # ~18 % zero
+                f.write(bytes(n * PAGE))
+            elif kind in (6, 12):  # ~12 % repeated data
+                f.write((shared * (BLOCK // len(shared)))[: n * PAGE])
+            else:
+                a = base[:n].copy()
+                a[:, 0] = np.arange(blk, blk + n, dtype=np.uint64)  # every page unique
+                a[:, 1] ^= np.uint64(k)
+                f.write(a.tobytes())
+    entries = [(0x7F0000000000 + i * (RANGE_PAGES * PAGE + 2 * MIB), min(RANGE_PAGES, pages_total - i))
+               for i in range(0, pages_total, RANGE_PAGES)]
+    entries = [(0x7F0000000000 + j * (RANGE_PAGES * PAGE + 2 * MIB), n) for j, (_, n) in enumerate(entries)]
+    (path / "pagemap-1.img").write_bytes(pagemap(1, entries))
+    (path / "pstree.img").write_bytes(b"")
+    (path / "core-1.img").write_bytes(b"core")
+    (path / "inventory.img").write_bytes(b"inv")
+
+
+def hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def child(src: Path, store: Path, ref: str, workers: int | None) -> None:
+    import inspect
+    import resource
+
+    from gpusnap.packaging import api
+
+    kw = {"workers": workers} if workers and "workers" in inspect.signature(api.store_checkpoint).parameters else {}
+    if workers and not kw:
+        os.cpu_count = lambda: workers  # type: ignore[assignment]  # a gpusnap without the parameter sizes its pool by this
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    st = api.store_checkpoint(store, src, form="criu-dir", ref=ref, **kw)
+    secs = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    print(json.dumps({"seconds": secs, "cpu_s": cpu, "hwm": hwm(), "new_bytes": st.new_bytes, "size": st.size}))
+
+
+def run_store(src: Path, store: Path, ref: str, size: int, workers: int | None) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", "--src", str(src), "--store", str(store), "--ref", ref,
+                          "--workers", str(workers or 0)], check=True, capture_output=True, text=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"seconds": round(r["seconds"], 2), "gb_s": round(size / r["seconds"] / 1e9, 3),
+            "cpu_s_per_gb": round(r["cpu_s"] / (size / 1e9), 3),
+            "peak_rss_mib": round(r["hwm"] / MIB, 1), "new_gb": round(r["new_bytes"] / 1e9, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=4)
+    ap.add_argument("--src", type=Path, default=Path("/var/tmp/gs-store-scale-src"))
+    ap.add_argument("--store", type=Path, default=Path("/var/tmp/gs-store-scale-store"))
+    ap.add_argument("--ref", default="scale:1")
+    ap.add_argument("--rss-only", action="store_true", help="one store only (no second, deduped one)")
+    ap.add_argument("--workers", type=int, default=0, help="the store's worker threads (default: one per core); "
+                    "e.g. 16 to see the memory of a 16-core host on a small one")
+    ap.add_argument("--keep", action="store_true", help="keep the source directory for the next run")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a.src, a.store, a.ref, a.workers or None)
+        return 0
+    size = int(a.gib * GIB) // PAGE * PAGE
+    t0 = time.perf_counter()
+    make_source(a.src, size)
+    print(f"source {a.src}: {size / GIB:.1f} GiB ({time.perf_counter() - t0:.1f} s to make); {os.cpu_count()} cores", flush=True)
+    shutil.rmtree(a.store, ignore_errors=True)
+    try:
+        first = run_store(a.src, a.store, "scale:1", size, a.workers or None)
+        print(f"first store (empty store):      {json.dumps(first)}", flush=True)
+        if not a.rss_only:
+            second = run_store(a.src, a.store, "scale:2", size, a.workers or None)
+            print(f"second store (all pieces known): {json.dumps(second)}", flush=True)
+    finally:
+        shutil.rmtree(a.store, ignore_errors=True)
+        if not a.keep:
+            shutil.rmtree(a.src, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
