@@ -100,8 +100,22 @@ def _child(stage: str, args: dict) -> None:
     elif stage == "push":
         api.push(Path(args["store"]), args["ref"], args["remote"], insecure=True)
     out["seconds"] = time.perf_counter() - t
-    out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out["rss_mib"] = ru.ru_maxrss / 1024
+    out["cpu_s"] = ru.ru_utime + ru.ru_stime
     print(json.dumps(out))
+
+
+def _profiled_child(stage: str, args: dict) -> None:
+    """BENCH_PROFILE=DIR: the child under cProfile (all threads' time is the main thread's wait,
+    so it mostly tells single-worker runs apart), stats written to DIR/<stage>.prof."""
+    import cProfile
+
+    where = os.environ.get("BENCH_PROFILE")
+    if not where:
+        _child(stage, args)
+        return
+    cProfile.runctx("_child(stage, args)", globals(), {"stage": stage, "args": args}, str(Path(where) / f"{stage}.prof"))
 
 
 def run(stage: str, **kw: str) -> dict:
@@ -126,7 +140,7 @@ def main() -> int:
     ap.add_argument("child_args", nargs="?", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        _child(a.child, json.loads(a.child_args))
+        _profiled_child(a.child, json.loads(a.child_args))
         return 0
     drop(a.work)
     drop(a.dest)
@@ -143,7 +157,7 @@ def main() -> int:
         dest = a.dest / f"m{i}"
         r = run("materialize", store=str(store), ref="bench/ck:1", dest=str(dest))
         res["materialize"].append(r)
-        print(f"materialize -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s), peak RSS {r['rss_mib']:.0f} MiB", flush=True)
+        print(f"materialize -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s), CPU {r['cpu_s']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
         drop(dest)
     if a.registry:
         sys.path.insert(0, str(REPO / "tests"))
@@ -158,7 +172,7 @@ def main() -> int:
                 dest = a.dest / f"f{i}"
                 r = run("fetch", store=str(empty), remote=remote, dest=str(dest))
                 res["fetch"].append(r)
-                print(f"fetch -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s), peak RSS {r['rss_mib']:.0f} MiB", flush=True)
+                print(f"fetch -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s), CPU {r['cpu_s']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
                 drop(dest)
                 drop(empty)
     print(json.dumps(res))
