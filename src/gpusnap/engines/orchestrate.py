@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from gpusnap.engines.base import (
     RestoreOptions,
     rfc3339_now,
 )
-from gpusnap.engines import workdirs
+from gpusnap.engines import imagedir, workdirs
 from gpusnap.engines.registry import detect_form, engine_for_form, find_container, make_engine, read_json_member
 from gpusnap.errors import GpusnapError, MissingDependencyError, NotFoundError, UsageError
 from gpusnap.host.facts import HostFacts, gather, require_compatible
@@ -505,6 +505,7 @@ def restore(
     recover_interrupted(settings, notice or progress)
     claimed = workdirs.claim(settings.state_dir / "tmp")
     work = claimed.__enter__()
+    memory: ExitStack = ExitStack()  # the in-memory work dir, when the image goes there (_image_dir)
     try:
         if path.exists():
             form = detect_form(path)
@@ -536,9 +537,10 @@ def restore(
                 # A directory checkpoint straight from the registry into the image directory:
                 # each byte written once, verified as it lands (packaging.fetch).
                 form = str(remote.config["form"])
+                images = _image_dir(settings, work, imagedir.image_bytes_of(remote.config), progress, memory)
                 progress(f"pulling {source} into the checkpoint directory")
                 with _transfer(progress, f"pull {source}") as bar:
-                    local = Path(api.fetch_into(settings.store_dir, remote, work / "checkpoint", progress=bar).dest)
+                    local = Path(api.fetch_into(settings.store_dir, remote, images, progress=bar).dest)
                 clock.lap("pull into the image directory")
             else:
                 ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
@@ -552,8 +554,9 @@ def restore(
                 # Materializing writes only this run's private work dir (removed below whatever
                 # happens), so it goes on while the host's facts are still being gathered; the
                 # host check still comes before CRIU starts.
+                images = _image_dir(settings, work, int((info.sizes or {}).get("total", 0)), progress, memory)
                 progress(f"unpacking {source}")
-                local = Path(api.materialize_checkpoint(settings.store_dir, ref, work / "checkpoint", form=form, **keys))
+                local = Path(api.materialize_checkpoint(settings.store_dir, ref, images, form=form, **keys))
                 clock.lap("materialize")
                 require_compatible(meta, clock.wait("check the host", facts_job), what=source)
         eng = engine_for_form(form, settings) if engine == "auto" else make_engine(engine, settings)
@@ -569,8 +572,30 @@ def restore(
         return RestoreOutcome(container=container, engine=eng.name, source=source, form=form,
                               timings_s={**clock.laps, **{r.name: round(r.seconds, 3) for r in records}})
     finally:
+        memory.close()
         workdirs.release(work)
         claimed.__exit__(None, None, None)
+
+
+def _image_dir(settings: Settings, work: Path, image_bytes: int, progress: Progress, memory: ExitStack) -> Path:
+    """Where a restore writes the image directory. engines/imagedir.py has the rule: a tmpfs
+    under the run dir when the image fits comfortably in free memory (a work dir there, claimed
+    and removed through ``memory``), else the state dir's work dir. No fsync either way: the
+    image is scratch, rebuilt from the store or registry after a crash."""
+    base = settings.run_dir / "tmp"
+    if base.is_dir():  # a killed restore's image: in memory until removed
+        workdirs.sweep(base, recover=None, container_running=lambda record: _container_running(settings, record))
+    if imagedir.on_memory(work):
+        return work / "checkpoint"
+    choice = imagedir.choose_base(base, image_bytes)
+    if not choice.memory:
+        progress(f"image directory on disk: {choice.reason}")
+        return work / "checkpoint"
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    memory_work = memory.enter_context(workdirs.claim(base))
+    memory.callback(workdirs.release, memory_work)
+    progress(f"image directory in memory: {choice.reason}")
+    return memory_work / "checkpoint"
 
 
 class _StageClock:
