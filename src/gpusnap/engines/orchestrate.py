@@ -545,7 +545,7 @@ def restore(
             else:
                 ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
                 clock.lap("pull into the store")
-                info = api.inspect(settings.store_dir, ref, **keys)
+                info = api.inspect(settings.store_dir, ref, file_rows=False, **keys)
                 if decryption and not any(str(layer.media_type).endswith("+encrypted") for layer in info.layers):
                     _refuse_plain(source)
                 form = _artifact_form(info)
