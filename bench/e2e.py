@@ -860,9 +860,11 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             step: to the workload's first line, and the command's clean-up after it."""
             for stage, secs in timings.items():
                 rate = size if stage in ("materialize", "pull into the image directory", "pull into the store") else 0
-                row(f"  of which {stage}", secs, rate_bytes=rate)
+                sub = stage.startswith("restore: ")  # the engine's own steps, inside "restore"
+                row(f"    {stage[len('restore: '):]}" if sub else f"  of which {stage}", secs, rate_bytes=rate)
             if timings:
-                row("  command total minus its stages (start-up, clean-up)", cmd - sum(timings.values()), rate_bytes=0)
+                top = sum(v for k, v in timings.items() if not k.startswith("restore: "))
+                row("  command total minus its stages (start-up, clean-up)", cmd - top, rate_bytes=0)
                 row("  first step after the command's start", first_step, rate_bytes=0)
 
         rl = w.get("restore_local_s")

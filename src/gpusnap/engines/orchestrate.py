@@ -567,10 +567,13 @@ def restore(
             raise UsageError(f"{eng.name} already has a container named {name}; pick another --name")
         progress(f"restoring through {eng.name}")
         clock.lap("prepare the engine")
-        records = run_steps([Step("restore", lambda: eng.restore(local, RestoreOptions(name=name, tcp_established=tcp_established, ip=ip)))])
+        engine_steps: dict[str, float] = {}
+        opts = RestoreOptions(name=name, tcp_established=tcp_established, ip=ip, timings=engine_steps)
+        records = run_steps([Step("restore", lambda: eng.restore(local, opts))])
         container = records[0].result
         return RestoreOutcome(container=container, engine=eng.name, source=source, form=form,
-                              timings_s={**clock.laps, **{r.name: round(r.seconds, 3) for r in records}})
+                              timings_s={**clock.laps, **{r.name: round(r.seconds, 3) for r in records},
+                                         **{f"restore: {k}": v for k, v in engine_steps.items()}})
     finally:
         memory.close()
         workdirs.release(work)

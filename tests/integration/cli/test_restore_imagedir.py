@@ -34,7 +34,7 @@ def test_restore_images_in_memory_then_gone(gs: Gs, registry: str, source: str) 
         timings = json.loads(out.stdout)["timings_s"]
         assert "image directory in memory" in out.stderr, out.stderr
         stage = "materialize" if source == "store" else "pull into the image directory"
-        assert {stage, "restore", "check the host"} <= set(timings), timings
+        assert {stage, "restore", "check the host", "restore: restore the container"} <= set(timings), timings
         assert list(mem.iterdir()) == [], "the in-memory image directory is removed after the restore"
         after = wait_numbers(lambda: gs("logs", name + "-r").stdout, 2)
         assert after[0] >= last, (last, after)
