@@ -506,6 +506,7 @@ def restore(
     claimed = workdirs.claim(settings.state_dir / "tmp")
     work = claimed.__enter__()
     memory: ExitStack = ExitStack()  # the in-memory work dir, when the image goes there (_image_dir)
+    clock.lap("sweep the work dirs")
     try:
         if path.exists():
             form = detect_form(path)
