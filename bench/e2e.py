@@ -859,7 +859,7 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             """The command's own stage timings (orchestrate.restore), then what follows its restore
             step: to the workload's first line, and the command's clean-up after it."""
             for stage, secs in timings.items():
-                rate = size if stage in ("materialize", "pull into the image directory", "pull into the store") else 0
+                rate = size if stage in ("materialize", "pull into the image directory") else 0
                 sub = stage.startswith("restore: ")  # the engine's own steps, inside "restore"
                 row(f"    {stage[len('restore: '):]}" if sub else f"  of which {stage}", secs, rate_bytes=rate)
             if timings:

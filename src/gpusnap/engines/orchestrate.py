@@ -545,7 +545,7 @@ def restore(
                 clock.lap("pull into the image directory")
             else:
                 ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
-                clock.lap("pull into the store")
+                clock.lap("find in the store (or pull into it)")
                 info = api.inspect(settings.store_dir, ref, file_rows=False, **keys)
                 if decryption and not any(str(layer.media_type).endswith("+encrypted") for layer in info.layers):
                     _refuse_plain(source)
