@@ -855,13 +855,27 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             st0 = ck0["timings_s"].get("store the checkpoint")
             if st0:
                 row("  of which store", st0, f"{gb(size) / st0 / io_floor:.2f}x min(SHA-256 x cores, disk write)", f">= {store_target} GB/s", gb(size) / st0 >= store_target)
+        def stage_rows(timings: dict[str, float], first_step: float, cmd: float) -> None:
+            """The command's own stage timings (orchestrate.restore), then what follows its restore
+            step: to the workload's first line, and the command's clean-up after it."""
+            for stage, secs in timings.items():
+                rate = size if stage in ("materialize", "pull into the image directory") else 0
+                sub = stage.startswith("restore: ")  # the engine's own steps, inside "restore"
+                row(f"    {stage[len('restore: '):]}" if sub else f"  of which {stage}", secs, rate_bytes=rate)
+            if timings:
+                top = sum(v for k, v in timings.items() if not k.startswith("restore: "))
+                row("  command total minus its stages (start-up, clean-up)", cmd - top, rate_bytes=0)
+                row("  first step after the command's start", first_step, rate_bytes=0)
+
         rl = w.get("restore_local_s")
         if rl:
             row("restore from the local store, to first step", rl, f"{rl / bare_rs:.2f}x by hand" if bare_rs else "")
+            stage_rows(w.get("restore_local_timings_s", {}), rl, w.get("restore_local_cmd_s", 0))
         rr = w.get("restore_registry_s")
         if rr:
             r = rr / bare_rs if bare_rs else None
             row("restore from the registry (empty store), to first step", rr, f"{r:.2f}x by hand" if r else "", "<= 1.3x", r is not None and r <= 1.3)
+            stage_rows(w.get("restore_registry_timings_s", {}), rr, w.get("restore_registry_cmd_s", 0))
             # What the command spent besides its own restore step: pulling and writing the image.
             pull = w.get("restore_registry_cmd_s", 0) - w.get("restore_registry_timings_s", {}).get("restore", 0)
             got = ck1.get("registry_bytes") or size  # what the registry holds for it (the 2nd push added little)

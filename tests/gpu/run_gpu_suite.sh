@@ -21,6 +21,8 @@
 # Its stores go to GS_GPU_E2E_WORK (default /var/tmp/gpusnap-e2e, the root filesystem, which its
 # containers see), CRIU images and its registry to /dev/shm (a 20 GB checkpoint dumped, stored,
 # pushed and pulled back does not fit the 64 GB disk otherwise); results in $OUT/e2e/.
+# GS_GPU_RESTORE_PATH=GIB adds bench/restore_path.py (materialize and fetch of a synthetic
+# checkpoint of GIB GiB, no containers) after e2e; results in $OUT/restore_path.log.
 # Exit status: the suite's (pytest), or the benchmark's if the suite passed, or e2e's.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -90,6 +92,13 @@ if [ -n "${GS_GPU_E2E:-}" ]; then
       --work "${GS_GPU_E2E_WORK:-/var/tmp/gpusnap-e2e}" --registry-dir /dev/shm/gpusnap-e2e-registry ${GS_GPU_E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
     E2E=${PIPESTATUS[0]}
   fi
+fi
+if [ -n "${GS_GPU_RESTORE_PATH:-}" ]; then
+  # The read side alone on this host's cores (issue 12): store, then materialize into /dev/shm
+  # and fetch from a local docker-registry into /dev/shm, a synthetic checkpoint of
+  # GS_GPU_RESTORE_PATH GiB, with each stage's GB/s, CPU seconds and peak RSS.
+  python3 bench/restore_path.py --gib "$GS_GPU_RESTORE_PATH" --registry --work /var/tmp/gs-restore-path \
+    --dest /dev/shm/gs-restore-path 2>&1 | tee "$OUT/restore_path.log"
 fi
 
 echo

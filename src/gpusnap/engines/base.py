@@ -56,6 +56,9 @@ class RestoreOptions:
     name: str | None = None  # new container name; None = engine's choice / the original name
     tcp_established: bool = False
     ip: str | None = None  # runc-direct bridge network: restore at this address instead of the recorded one
+    # Filled by engines that run their restore as steps: seconds per step (orchestrate reports
+    # them in RestoreOutcome.timings_s as "restore: <step>").
+    timings: dict[str, float] | None = None
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Both are step lists (gpusnap.steps) so a failure anywhere rolls back: a checkpoint that fails
 after the engine stopped the container brings the container back from what was dumped, and a
-restore refuses on an incompatible host before it pulls, unpacks or starts anything.
+restore refuses on an incompatible host before it pulls or starts anything (a checkpoint
+already in the store is unpacked into the run's private work dir while the host is examined).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import shutil
 import socket
 import tarfile
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from concurrent.futures import Future
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +37,7 @@ from gpusnap.engines.base import (
     RestoreOptions,
     rfc3339_now,
 )
-from gpusnap.engines import workdirs
+from gpusnap.engines import imagedir, workdirs
 from gpusnap.engines.registry import detect_form, engine_for_form, find_container, make_engine, read_json_member
 from gpusnap.errors import GpusnapError, MissingDependencyError, NotFoundError, UsageError
 from gpusnap.host.facts import HostFacts, gather, require_compatible
@@ -492,15 +496,23 @@ def restore(
     ``notice``: as for :func:`checkpoint`."""
     keys = {"decryption": decryption} if decryption is not None else {}
     path = Path(source)
-    facts = gather(settings)
+    clock = _StageClock()
+    # The host's facts (CRIU's version, the GPUs through NVML: a driver call that can take a
+    # while) are gathered beside the reading of the checkpoint; every check that uses them
+    # still comes before anything is downloaded or CRIU starts.
+    facts_job = _background(lambda: gather(settings))
     # First, so that a checkpoint a killed run left is in the store before this looks there.
     recover_interrupted(settings, notice or progress)
     claimed = workdirs.claim(settings.state_dir / "tmp")
     work = claimed.__enter__()
+    memory: ExitStack = ExitStack()  # the in-memory work dir, when the image goes there (_image_dir)
+    clock.lap("sweep the work dirs")
     try:
         if path.exists():
             form = detect_form(path)
             meta = read_metadata(path, form)
+            clock.lap("read the checkpoint's metadata")
+            facts = clock.wait("check the host", facts_job)
             require_compatible(meta, facts, what=source)
             local = path
         else:
@@ -517,26 +529,37 @@ def restore(
                 if remote is not None and remote.direct:
                     if decryption:
                         _refuse_plain(source)  # direct means plain: refused before anything is downloaded
-                    require_compatible(_config_metadata(remote.config), facts, what=source)
+                    remote_meta = _config_metadata(remote.config)
                 else:
-                    require_compatible(_remote_metadata(source, insecure, decryption), facts, what=source)
+                    remote_meta = _remote_metadata(source, insecure, decryption)
+                clock.lap("read the checkpoint's metadata")
+                require_compatible(remote_meta, clock.wait("check the host", facts_job), what=source)
             if remote is not None and remote.direct:
                 # A directory checkpoint straight from the registry into the image directory:
                 # each byte written once, verified as it lands (packaging.fetch).
                 form = str(remote.config["form"])
+                images = _image_dir(settings, work, imagedir.image_bytes_of(remote.config), progress, memory)
                 progress(f"pulling {source} into the checkpoint directory")
                 with _transfer(progress, f"pull {source}") as bar:
-                    local = Path(api.fetch_into(settings.store_dir, remote, work / "checkpoint", progress=bar).dest)
+                    local = Path(api.fetch_into(settings.store_dir, remote, images, progress=bar).dest)
+                clock.lap("pull into the image directory")
             else:
                 ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
-                info = api.inspect(settings.store_dir, ref, **keys)
+                clock.lap("find in the store (or pull into it)")
+                info = api.inspect(settings.store_dir, ref, file_rows=False, **keys)
                 if decryption and not any(str(layer.media_type).endswith("+encrypted") for layer in info.layers):
                     _refuse_plain(source)
                 form = _artifact_form(info)
                 meta = _artifact_metadata(info)
-                require_compatible(meta, facts, what=source)
+                clock.lap("read the checkpoint's metadata")
+                # Materializing writes only this run's private work dir (removed below whatever
+                # happens), so it goes on while the host's facts are still being gathered; the
+                # host check still comes before CRIU starts.
+                images = _image_dir(settings, work, int((info.sizes or {}).get("total", 0)), progress, memory)
                 progress(f"unpacking {source}")
-                local = Path(api.materialize_checkpoint(settings.store_dir, ref, work / "checkpoint", form=form, **keys))
+                local = Path(api.materialize_checkpoint(settings.store_dir, ref, images, form=form, **keys))
+                clock.lap("materialize")
+                require_compatible(meta, clock.wait("check the host", facts_job), what=source)
         eng = engine_for_form(form, settings) if engine == "auto" else make_engine(engine, settings)
         if eng.form != form:
             raise UsageError(f"{source} is a {form} checkpoint, which the {eng.name} engine cannot restore; use --engine auto")
@@ -544,13 +567,74 @@ def restore(
         if name and eng.get(name) is not None:
             raise UsageError(f"{eng.name} already has a container named {name}; pick another --name")
         progress(f"restoring through {eng.name}")
-        records = run_steps([Step("restore", lambda: eng.restore(local, RestoreOptions(name=name, tcp_established=tcp_established, ip=ip)))])
+        clock.lap("prepare the engine")
+        engine_steps: dict[str, float] = {}
+        opts = RestoreOptions(name=name, tcp_established=tcp_established, ip=ip, timings=engine_steps)
+        records = run_steps([Step("restore", lambda: eng.restore(local, opts))])
         container = records[0].result
         return RestoreOutcome(container=container, engine=eng.name, source=source, form=form,
-                              timings_s={r.name: round(r.seconds, 3) for r in records})
+                              timings_s={**clock.laps, **{r.name: round(r.seconds, 3) for r in records},
+                                         **{f"restore: {k}": v for k, v in engine_steps.items()}})
     finally:
+        memory.close()
         workdirs.release(work)
         claimed.__exit__(None, None, None)
+
+
+def _image_dir(settings: Settings, work: Path, image_bytes: int, progress: Progress, memory: ExitStack) -> Path:
+    """Where a restore writes the image directory. engines/imagedir.py has the rule: a tmpfs
+    under the run dir when the image fits comfortably in free memory (a work dir there, claimed
+    and removed through ``memory``), else the state dir's work dir. No fsync either way: the
+    image is scratch, rebuilt from the store or registry after a crash."""
+    base = settings.run_dir / "tmp"
+    if base.is_dir():  # a killed restore's image: in memory until removed
+        workdirs.sweep(base, recover=None, container_running=lambda record: _container_running(settings, record))
+    if imagedir.on_memory(work):
+        return work / "checkpoint"
+    choice = imagedir.choose_base(base, image_bytes)
+    if not choice.memory:
+        progress(f"image directory on disk: {choice.reason}")
+        return work / "checkpoint"
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    memory_work = memory.enter_context(workdirs.claim(base))
+    memory.callback(workdirs.release, memory_work)
+    progress(f"image directory in memory: {choice.reason}")
+    return memory_work / "checkpoint"
+
+
+class _StageClock:
+    """Seconds per stage of a restore (``RestoreOutcome.timings_s``, printed by --json and read
+    by bench/e2e.py): each lap is the time since the previous one."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(self.laps.get(name, 0.0) + now - self._last, 3)
+        self._last = now
+
+    def wait(self, name: str, job: "Future[HostFacts]") -> HostFacts:
+        """The result of ``job``; the time spent waiting for it is a lap of its own."""
+        result = job.result()
+        self.lap(name)
+        return result
+
+
+def _background(fn: Callable[[], HostFacts]) -> "Future[HostFacts]":
+    """Run ``fn`` on a thread of its own (a daemon: an exception is raised where the result is
+    read, and a failure elsewhere does not wait for it)."""
+    fut: Future[HostFacts] = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader of the result
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="gpusnap-host-facts", daemon=True).start()
+    return fut
 
 
 def _refuse_plain(source: str) -> None:

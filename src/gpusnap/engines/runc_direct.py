@@ -485,7 +485,8 @@ class RuncDirectEngine(EngineBase):
         _network_manager(self.settings).remove(rec.name)
 
     def _start(
-        self, rec: RuncDirectRecord, restore_from: Path | None, *, skip_lock: bool, spec: dict[str, Any] | None = None, tcp_established: bool = False
+        self, rec: RuncDirectRecord, restore_from: Path | None, *, skip_lock: bool, spec: dict[str, Any] | None = None, tcp_established: bool = False,
+        timings: dict[str, float] | None = None,
     ) -> None:
         bundle = self.container_dir(rec.name) / "bundle"
         pipes: dict[str, int] = {}
@@ -557,7 +558,9 @@ class RuncDirectEngine(EngineBase):
             # The recreated network stays unplugged until the sockets are back (see activate).
             steps.append(Step("connect the network", lambda: _network_manager(self.settings).activate(rec.name)))
         steps.append(Step("record the container", mark_running))
-        run_steps(steps)
+        records = run_steps(steps)
+        if timings is not None:
+            timings.update({r.name: round(r.seconds, 3) for r in records})
 
     def checkpoint(self, container: ContainerInfo, dest: Path, opts: CheckpointOptions) -> EngineCheckpoint:
         rec = self._load(container.name)
@@ -636,7 +639,8 @@ class RuncDirectEngine(EngineBase):
         )
         skip_lock = self._lock_skippable(rec)
         self._require_network_lock(rec, skip_lock, "restore")
-        self._start(rec, restore_from=source, skip_lock=skip_lock, spec=saved["spec"], tcp_established=opts.tcp_established)
+        self._start(rec, restore_from=source, skip_lock=skip_lock, spec=saved["spec"], tcp_established=opts.tcp_established,
+                    timings=opts.timings)
         info = self.get(name)
         assert info is not None
         return info

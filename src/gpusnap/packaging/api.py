@@ -282,9 +282,12 @@ def _info_from(ref: str, digest: str, config: dict[str, Any], layers: list[Descr
     )
 
 
-def inspect(store_dir: Path, ref: str, *, decryption: DecryptionKeys | None = None) -> ArtifactInfo:
+def inspect(store_dir: Path, ref: str, *, decryption: DecryptionKeys | None = None, file_rows: bool = True) -> ArtifactInfo:
     """What the artifact ``ref`` holds. An encrypted one shows its full config only with
-    ``decryption``; without it, what its manifest annotations say (form, engine, host)."""
+    ``decryption``; without it, what its manifest annotations say (form, engine, host).
+    ``file_rows=False``: a v2 artifact's layers as its manifest lists them, without reading its
+    piece table into per-file rows (a restore needs the config only; the table of a large
+    checkpoint is hundreds of thousands of pieces)."""
     store = OciStore(Path(store_dir))
     try:
         desc = store.resolve(ref)
@@ -305,7 +308,7 @@ def inspect(store_dir: Path, ref: str, *, decryption: DecryptionKeys | None = No
         return _info_from(ref, desc.digest, config, layers, manifest.get("annotations", {}))
     art = fmt.load(store, desc.digest)
     layout = None
-    if art.config.get("schemaVersion", 1) >= 2:
+    if file_rows and art.config.get("schemaVersion", 1) >= 2:
         from gpusnap.packaging.layout import layout_of
 
         layout = layout_of(store, art)

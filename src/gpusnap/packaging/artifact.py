@@ -15,6 +15,7 @@ the reference for all of this.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
@@ -32,7 +33,7 @@ from typing import IO, Any
 
 import zstandard
 
-from gpusnap.errors import IntegrityError, NotFoundError, UsageError
+from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, UsageError
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata
 from gpusnap.packaging import chunker, pstree
 from gpusnap.packaging import layout as lay
@@ -741,10 +742,13 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
         if dest.exists():
             dest.rmdir()
         os.replace(tmp, dest)
-    except BaseException:
+    except BaseException as exc:
         for fd in fds.values():
             os.close(fd)
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise GpusnapError(f"no space left to unpack the checkpoint into {dest.parent} ({exc.strerror}); free space there "
+                               "(the gpusnap state directory), then try again") from None
         raise
     return dest
 

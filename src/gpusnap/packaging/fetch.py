@@ -78,6 +78,18 @@ MAX_CONFIG = 16 << 20
 ZERO_BLOCK = 64 << 10  # runs of zeros this long (aligned in the piece) are left as holes
 _ZEROS = bytes(ZERO_BLOCK)
 OUT_SIZE = 1 << 20  # zstd output handed to the file writer at a time
+# Bytes received per read of a blob: the Python work per read (routing to pieces, the zero
+# scan, the pwrite call) is paid per buffer, and with many transfers on threads it is what they
+# queue for (the GIL); the socket reads, SHA-256 and pwrite themselves run without it.
+FETCH_RECV = 2 << 20
+MAX_FETCH_WORKERS = 32
+
+
+def fetch_workers(client_workers: int) -> int:
+    """Transfers at once: one per core (at least the client's own count). Each transfer
+    receives, hashes and writes its blob in turn, one core's worth of work, so fewer transfers
+    than cores leaves cores idle; memory per transfer is one FETCH_RECV buffer."""
+    return max(1, min(MAX_FETCH_WORKERS, max(client_workers, os.cpu_count() or 1)))
 
 
 # ---- what to write where ----------------------------------------------------------------------
@@ -421,7 +433,7 @@ class _Fetch:
         ``finish``): the ``wanted`` bytes from blob offset ``start``, resuming with Range after a
         broken connection, then let the sink verify them."""
         client = self.client
-        buf = bytearray(RECV_SIZE)
+        buf = bytearray(FETCH_RECV)
         view = memoryview(buf)
         failures = restarts = 0
         while True:
@@ -515,7 +527,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
 
         jobs: list[Callable[[], None]] = [lambda d=d: tar_job(d) for d in pl.tar_layers]
         jobs += [lambda b=b: blob_job(b) for b in pl.blobs]
-        _run_all(jobs, rc.client.workers, fetch.abort)
+        _run_all(jobs, fetch_workers(rc.client.workers), fetch.abort)
         for f in pl.files:
             fd = fds.pop(f.path)
             try:

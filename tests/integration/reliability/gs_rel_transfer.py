@@ -1,7 +1,8 @@
 """Runs one packaging operation in its own process, printing bytes moved, so a test can kill -9
 it at a chosen point: ``python gs_rel_transfer.py push|pull|store STORE REF|SRC REMOTE|REF``,
 ``pushpipe STORE SRC REF REMOTE`` (checkpoint --push: store and upload at once), ``fetch STORE
-REMOTE DEST`` (restore from a registry straight into an image directory)."""
+REMOTE DEST`` (restore from a registry straight into an image directory), ``materialize STORE
+REF DEST`` (a restore from the store: prints 0, then unpacks)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def main(argv: list[str]) -> int:
     elif op == "fetch":
         remote = api.open_remote(argv[3], insecure=True)
         api.fetch_into(store, remote, Path(argv[4]), progress=Printing())
+    elif op == "materialize":
+        print(0, flush=True)
+        api.materialize_checkpoint(store, argv[3], Path(argv[4]), form="criu-dir")
     elif op == "store":
         print(0, flush=True)
         api.store_checkpoint(store, Path(argv[3]), form="criu-dir", ref=argv[4])

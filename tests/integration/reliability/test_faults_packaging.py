@@ -294,3 +294,67 @@ def test_registry_restarted_mid_transfer(tmp_path: Path, registry: Registry, led
     lost = _lost(src, target.root, remote, tmp_path / "out")
     ledger.record("fault", f"registry killed and restarted mid-{op}", passed=int(lost == 0), lost=lost, detail="retried and resumed in the same call")
     assert lost == 0
+
+
+def _store_state(store: Path) -> dict[str, str]:
+    """Every file of the store and its digest: a restore must not change any of it."""
+    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(store.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("op", ["materialize", "fetch"])
+def test_enospc_restore(tmp_path: Path, registry: Registry, ledger, op: str) -> None:  # type: ignore[no-untyped-def]
+    """The image directory of a restore (from the store, or straight from a registry) on a
+    filesystem that fills up: a one-line error, no directory or partial file left beside the
+    destination, the store as it was (no restored.json record); with room, the same call
+    writes every byte."""
+    src = _ck(tmp_path / "ck")
+    store = tmp_path / "store"
+    api.store_checkpoint(store, src, form="criu-dir", ref="gs-rel/ck:1")
+    remote = f"{registry.host}/gs-rel/enospc-restore:1"
+    fetch_store = tmp_path / "fetch-store"
+    if op == "fetch":
+        api.push(store, "gs-rel/ck:1", remote, insecure=True)
+
+    def restore(dest: Path) -> Path:
+        if op == "materialize":
+            return api.materialize_checkpoint(store, "gs-rel/ck:1", dest, form="criu-dir")
+        return api.fetch_into(fetch_store, api.open_remote(remote, insecure=True), dest).dest
+
+    before = _store_state(store)
+    small = _tmpfs(tmp_path / "small", "16m")
+    try:
+        with pytest.raises(GpusnapError) as err:
+            restore(small / "work" / "checkpoint")
+        assert "\n" not in str(err.value) and "space" in str(err.value).lower(), str(err.value)
+        assert [p.name for p in (small / "work").iterdir()] == [], "nothing half-written beside the destination"
+        assert _store_state(store) == before
+        assert not (fetch_store / "restored.json").exists()
+        subprocess.run(["mount", "-o", "remount,size=256m", str(small)], check=True)
+        out = restore(small / "work" / "checkpoint")
+        lost = sum(1 for k, v in _files(src).items() if _files(out).get(k) != v)
+    finally:
+        _umount(small)
+    _store_ok(store)
+    ledger.record("fault", f"ENOSPC during restore ({op})", passed=int(lost == 0), lost=lost, detail="image dir on a 16 MiB tmpfs, then grown")
+    assert lost == 0
+
+
+@pytest.mark.parametrize("after_s", [0.02, 0.12])
+def test_kill9_materialize(tmp_path: Path, ledger, after_s: float) -> None:  # type: ignore[no-untyped-def]
+    """A restore from the store killed while it unpacks: nothing at the destination (only the
+    partial directory beside it, in the dead run's work dir), the store unchanged and intact."""
+    src = _ck(tmp_path / "ck", mib=512)
+    store = tmp_path / "store"
+    api.store_checkpoint(store, src, form="criu-dir", ref="gs-rel/ck:1")
+    before = _store_state(store)
+    dest = tmp_path / "work" / "checkpoint"
+    killed = _run_and_kill(["materialize", str(store), "gs-rel/ck:1", str(dest)], after_s=after_s)
+    assert killed, "the materialize finished before the kill"
+    assert not dest.exists()
+    left = list((tmp_path / "work").iterdir()) if (tmp_path / "work").exists() else []
+    assert all(p.name.startswith(".checkpoint.partial-") for p in left), left
+    assert _store_state(store) == before
+    _store_ok(store)
+    lost = _lost(src, store, "gs-rel/ck:1", tmp_path / "out")
+    ledger.record("fault", "kill -9 restore from the store (unpack)", passed=int(lost == 0), lost=lost, detail="512 MiB, killed 0.02/0.12 s into it")
+    assert lost == 0

@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""The read side of the data path, without containers: materialize a stored checkpoint into an
+image directory, and fetch one from a real local registry into an image directory.
+
+    .venv/bin/python bench/restore_path.py --gib 3 [--dest /dev/shm/x] [--registry]
+
+Builds a synthetic CRIU-like directory (pages-1.img: random pages, zero runs, a constant run,
+with its pagemap-1.img) of ``--gib`` GiB, stores it (``store_checkpoint``), then times
+``materialize_checkpoint`` into ``--dest`` (each in a fresh child process, whose peak RSS is
+its VmHWM); with ``--registry`` also pushes it to a docker-registry started here and times
+``fetch_into`` with an empty store. Prints seconds, GB/s and peak RSS per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = 4096
+MIB = 1 << 20
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _pagemap(entries: list[tuple[int, int]]) -> bytes:
+    """CRIU's pagemap image (protobuf wire format): pages_id 1, then (vaddr, nr_pages) entries, PE_PRESENT."""
+    def field(num: int, value: int) -> bytes:
+        return _varint(num << 3) + _varint(value)
+
+    msgs = [field(1, 1)] + [field(1, va) + field(2, nr) + field(4, 4) for va, nr in entries]
+    return struct.pack("<II", 0x54564319, 0x56084025) + b"".join(struct.pack("<I", len(m)) + m for m in msgs)
+
+
+def make_checkpoint(path: Path, gib: float, seed: int = 1) -> int:
+    """Random pages (90 %), zero runs (5 %) and a constant run (5 %), in 64 MiB mappings."""
+    path.mkdir(parents=True)
+    rng = random.Random(seed)
+    total = int(gib * (1 << 30)) // (64 * MIB) * (64 * MIB)
+    entries = []
+    va = 0x7F0000000000
+    with open(path / "pages-1.img", "wb") as out:
+        written = 0
+        while written < total:
+            k = (written // (64 * MIB)) % 20
+            n = 64 * MIB
+            if k == 7:
+                out.seek(n, os.SEEK_CUR)  # zeros (CRIU writes them; a hole reads the same)
+            elif k == 13:
+                out.write(b"\x5a" * n)
+            else:
+                for _ in range(n // (8 * MIB)):
+                    out.write(rng.randbytes(8 * MIB))
+            entries.append((va, n // PAGE))
+            va += n + (1 << 30)
+            written += n
+        out.truncate(total)
+    (path / "pagemap-1.img").write_bytes(_pagemap(entries))
+    (path / "pstree.img").write_bytes(b"pstree")
+    (path / "core-1.img").write_bytes(b"core" * 1000)
+    (path / "mm-1.img").write_bytes(rng.randbytes(300_000))
+    return total
+
+
+def _child(stage: str, args: dict) -> None:
+    sys.path.insert(0, str(REPO / "src"))
+    from gpusnap.packaging import api
+
+    t = time.perf_counter()
+    out: dict = {}
+    if stage == "materialize":
+        api.materialize_checkpoint(Path(args["store"]), args["ref"], Path(args["dest"]), form="criu-dir")
+    elif stage == "fetch":
+        from gpusnap.packaging import fetch
+        from gpusnap.packaging.store import OciStore
+
+        rc = fetch.open_remote(args["remote"], insecure=True)
+        assert rc.direct, "not fetchable directly"
+        fetch.fetch_into(OciStore(Path(args["store"])), rc, Path(args["dest"]))
+    elif stage == "store":
+        api.store_checkpoint(Path(args["store"]), Path(args["src"]), form="criu-dir", ref=args["ref"])
+    elif stage == "push":
+        api.push(Path(args["store"]), args["ref"], args["remote"], insecure=True)
+    out["seconds"] = time.perf_counter() - t
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out["rss_mib"] = ru.ru_maxrss / 1024
+    out["cpu_s"] = ru.ru_utime + ru.ru_stime
+    print(json.dumps(out))
+
+
+def _profiled_child(stage: str, args: dict) -> None:
+    """BENCH_PROFILE=DIR: the child under cProfile (all threads' time is the main thread's wait,
+    so it mostly tells single-worker runs apart), stats written to DIR/<stage>.prof."""
+    import cProfile
+
+    where = os.environ.get("BENCH_PROFILE")
+    if not where:
+        _child(stage, args)
+        return
+    cProfile.runctx("_child(stage, args)", globals(), {"stage": stage, "args": args}, str(Path(where) / f"{stage}.prof"))
+
+
+def run(stage: str, **kw: str) -> dict:
+    p = subprocess.run([sys.executable, __file__, "--child", stage, json.dumps(kw)], capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"{stage} failed: {p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def drop(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=3)
+    ap.add_argument("--work", type=Path, default=Path("/var/tmp/gpusnap-restore-bench"), help="source dir and store (disk)")
+    ap.add_argument("--dest", type=Path, default=Path("/dev/shm/gpusnap-restore-bench"), help="where images are written")
+    ap.add_argument("--registry", action="store_true", help="also fetch from a local docker-registry (its storage on --work)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("child_args", nargs="?", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        _profiled_child(a.child, json.loads(a.child_args))
+        return 0
+    drop(a.work)
+    drop(a.dest)
+    a.work.mkdir(parents=True)
+    a.dest.mkdir(parents=True)
+    src, store = a.work / "src", a.work / "store"
+    size = make_checkpoint(src, a.gib)
+    gb = size / 1e9
+    r = run("store", store=str(store), src=str(src), ref="bench/ck:1")
+    print(f"store {gb:.2f} GB: {r['seconds']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
+    drop(src)  # the page cache keeps the store's blobs, as after a checkpoint
+    res: dict = {"gb": gb, "materialize": [], "fetch": []}
+    for i in range(a.rounds):
+        dest = a.dest / f"m{i}"
+        r = run("materialize", store=str(store), ref="bench/ck:1", dest=str(dest))
+        res["materialize"].append(r)
+        print(f"materialize -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s), CPU {r['cpu_s']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
+        drop(dest)
+    if a.registry:
+        sys.path.insert(0, str(REPO / "tests"))
+        from stack.registry import Registry
+
+        with Registry(a.work / "registry", range(5490, 5499)) as reg:
+            remote = f"{reg.host}/bench/ck:1"
+            r = run("push", store=str(store), ref="bench/ck:1", remote=remote)
+            print(f"push: {r['seconds']:.2f} s", flush=True)
+            for i in range(a.rounds):
+                empty = Path(tempfile.mkdtemp(dir=a.work, prefix="empty-store-"))
+                dest = a.dest / f"f{i}"
+                r = run("fetch", store=str(empty), remote=remote, dest=str(dest))
+                res["fetch"].append(r)
+                print(f"fetch -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s), CPU {r['cpu_s']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
+                drop(dest)
+                drop(empty)
+    print(json.dumps(res))
+    drop(a.work)
+    drop(a.dest)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""A restore writes its CRIU image directory on a tmpfs under the run dir when the image fits in
+free memory (engines/imagedir.py), removes it afterwards, and the container counts on; the
+restore's --json timings name its stages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import COUNTER, Gs, unique, wait_numbers
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("source", ["store", "registry"])
+def test_restore_images_in_memory_then_gone(gs: Gs, registry: str, source: str) -> None:
+    mem = gs.root / "run" / "tmp"
+    mem.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m,mode=0700", "tmpfs", str(mem)], check=True)
+    name = unique("img")
+    try:
+        gs("run", name, "--", "sh", "-c", COUNTER)
+        wait_numbers(lambda: gs("logs", name).stdout, 3)
+        ref = f"{registry}/{name}:v1"
+        gs("checkpoint", name, "--push", ref, "--insecure")
+        last = wait_numbers(lambda: gs("logs", name).stdout, 1)[-1]
+        gs("delete", name)
+        if source == "registry":
+            gs("rm", ref)  # nothing in the store: straight from the registry into the image dir
+        out = gs("-v", "restore", ref, "--insecure", "--name", name + "-r", "--json")
+        timings = json.loads(out.stdout)["timings_s"]
+        assert "image directory in memory" in out.stderr, out.stderr
+        stage = "materialize" if source == "store" else "pull into the image directory"
+        assert {stage, "restore", "check the host", "restore: restore the container"} <= set(timings), timings
+        assert list(mem.iterdir()) == [], "the in-memory image directory is removed after the restore"
+        after = wait_numbers(lambda: gs("logs", name + "-r").stdout, 2)
+        assert after[0] >= last, (last, after)
+    finally:
+        for n in (name, name + "-r"):
+            gs("delete", n, check=False)
+        subprocess.run(["umount", "-l", str(mem)], capture_output=True)
