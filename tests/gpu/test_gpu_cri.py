@@ -106,7 +106,16 @@ def test_cuda_pod_checkpointed_by_cri_and_restored_from_image(node: Kubelet, tmp
     data.mkdir()
     shutil.copy(WORKER, data / "gpu_worker.py")
     pod = cuda_pod(node, "trainer", node.image, data)
-    wait_step(data, 100, timeout=120, pod=pod, node=node)
+    bundle = node.ctrd.state / "st" / "io.containerd.runtime.v2.task" / "k8s.io" / pod.container / "config.json"
+    spec_at_start = bundle.read_text() if bundle.exists() else "(no bundle)"
+    try:
+        wait_step(data, 100, timeout=120, pod=pod, node=node)
+    except AssertionError as exc:
+        import json
+
+        spec = json.loads(spec_at_start) if spec_at_start.startswith("{") else {}
+        raise AssertionError(f"{exc}\nspec at start: env {spec.get('process', {}).get('env')}; "
+                             f"mounts {[(m['destination'], m.get('source')) for m in spec.get('mounts', [])]}") from None
     t = time.perf_counter()
     archive = node.checkpoint(pod)
     checkpoint_s = time.perf_counter() - t
