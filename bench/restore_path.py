@@ -19,7 +19,6 @@ import os
 import random
 import resource
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -27,27 +26,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from criu_images import present_pagemap  # noqa: E402
+
 PAGE = 4096
 MIB = 1 << 20
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
-def _pagemap(entries: list[tuple[int, int]]) -> bytes:
-    """CRIU's pagemap image (protobuf wire format): pages_id 1, then (vaddr, nr_pages) entries, PE_PRESENT."""
-    def field(num: int, value: int) -> bytes:
-        return _varint(num << 3) + _varint(value)
-
-    msgs = [field(1, 1)] + [field(1, va) + field(2, nr) + field(4, 4) for va, nr in entries]
-    return struct.pack("<II", 0x54564319, 0x56084025) + b"".join(struct.pack("<I", len(m)) + m for m in msgs)
 
 
 def make_checkpoint(path: Path, gib: float, seed: int = 1) -> int:
@@ -73,7 +60,7 @@ def make_checkpoint(path: Path, gib: float, seed: int = 1) -> int:
             va += n + (1 << 30)
             written += n
         out.truncate(total)
-    (path / "pagemap-1.img").write_bytes(_pagemap(entries))
+    (path / "pagemap-1.img").write_bytes(present_pagemap(1, entries))
     (path / "pstree.img").write_bytes(b"pstree")
     (path / "core-1.img").write_bytes(b"core" * 1000)
     (path / "mm-1.img").write_bytes(rng.randbytes(300_000))

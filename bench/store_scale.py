@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -31,6 +30,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from criu_images import present_pagemap  # noqa: E402
+
 PAGE = 4096
 MIB = 1 << 20
 GIB = 1 << 30
@@ -38,25 +40,10 @@ BLOCK = 64 * MIB  # generated in blocks of this size
 RANGE_PAGES = 2048  # 8 MiB mappings, 2 MiB apart in the address space
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
-def _field(num: int, value: int) -> bytes:
-    return _varint(num << 3) + _varint(value)
 
 
-def pagemap(pages_id: int, entries: list[tuple[int, int]]) -> bytes:
-    """A CRIU pagemap image (protobuf wire format): head, then (vaddr, nr_pages) present entries."""
-    img_common, pagemap_magic, pe_present = 0x54564319, 0x56084025, 4
-    msgs = [_field(1, pages_id)] + [_field(1, va) + _field(2, n) + _field(4, pe_present) for va, n in entries]
-    return struct.pack("<II", img_common, pagemap_magic) + b"".join(struct.pack("<I", len(m)) + m for m in msgs)
 
 
 def make_source(path: Path, size: int) -> None:
@@ -86,7 +73,7 @@ def make_source(path: Path, size: int) -> None:
     entries = [(0x7F0000000000 + i * (RANGE_PAGES * PAGE + 2 * MIB), min(RANGE_PAGES, pages_total - i))
                for i in range(0, pages_total, RANGE_PAGES)]
     entries = [(0x7F0000000000 + j * (RANGE_PAGES * PAGE + 2 * MIB), n) for j, (_, n) in enumerate(entries)]
-    (path / "pagemap-1.img").write_bytes(pagemap(1, entries))
+    (path / "pagemap-1.img").write_bytes(present_pagemap(1, entries))
     (path / "pstree.img").write_bytes(b"")
     (path / "core-1.img").write_bytes(b"core")
     (path / "inventory.img").write_bytes(b"inv")

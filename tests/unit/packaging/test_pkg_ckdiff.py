@@ -4,7 +4,7 @@ the same on images CRIU dumped)."""
 from __future__ import annotations
 
 import json
-import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,32 +12,22 @@ import pytest
 from gpusnap.packaging import ckdiff
 from gpusnap.packaging.ckdiff import FILES_MAGIC, MM_MAGIC, PAGE
 from gpusnap.packaging.pagemap import PAGEMAP_MAGIC, PE_LAZY, PE_PARENT, PE_PRESENT
-from gpusnap.packaging.pstree import IMG_COMMON_MAGIC
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: criu_images
+from criu_images import field_bytes as _b  # noqa: E402
+from criu_images import field_varint as _v  # noqa: E402
+from criu_images import image as _image  # noqa: E402
 
 BASE = 0x7F0000000000
 HEAP = 0x1000000
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
-def _v(num: int, v: int) -> bytes:
-    return _varint(num << 3) + _varint(v)
 
 
-def _b(num: int, data: bytes) -> bytes:
-    return _varint(num << 3 | 2) + _varint(len(data)) + data
 
 
-def _image(magic: int, entries: list[bytes]) -> bytes:
-    return struct.pack("<II", IMG_COMMON_MAGIC, magic) + b"".join(struct.pack("<I", len(e)) + e for e in entries)
 
 
 def page(tag: int) -> bytes:

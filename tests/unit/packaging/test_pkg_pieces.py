@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import hashlib
 import json
 import os
 import random
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -18,40 +19,17 @@ from gpusnap.packaging import artifact as fmt
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging.pack import PAGE, PackParams, PageCutter, page_features
 from gpusnap.packaging.pagemap import PE_LAZY, PE_PARENT, PE_PRESENT, boundaries, merge_contiguous, parse_pagemap
-from gpusnap.packaging.pstree import IMG_COMMON_MAGIC
 from gpusnap.packaging.store import OciStore
 
 DATA = Path(__file__).parent / "data"
-PAGEMAP_MAGIC = 0x56084025
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: criu_images
+from criu_images import pagemap as _pagemap  # noqa: E402
 
 
-# ---- a CRIU pagemap writer for synthetic checkpoints (protobuf wire format) ----------------------
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
-def _field(num: int, value: int) -> bytes:
-    return _varint(num << 3) + _varint(value)
 
 
-def _pagemap(pages_id: int, entries: list[tuple[int, int, int | None, bool]], *, criu42: bool = False) -> bytes:
-    """entries: (vaddr, nr_pages, flags or None for a pre-flags image, in_parent).
-    ``criu42``: the count as CRIU 4.2 writes it (uint64 field 5, field 2 zero)."""
-    msgs = [_field(1, pages_id)]
-    for vaddr, nr, flags, in_parent in entries:
-        m = _field(1, vaddr) + (_field(2, 0) + _field(5, nr) if criu42 else _field(2, nr))
-        if in_parent:
-            m += _field(3, 1)
-        if flags is not None:
-            m += _field(4, flags)
-        msgs.append(m)
-    return struct.pack("<II", IMG_COMMON_MAGIC, PAGEMAP_MAGIC) + b"".join(struct.pack("<I", len(m)) + m for m in msgs)
 
 
 def _checkpoint(path: Path, ranges: list[tuple[int, bytes]]) -> Path:

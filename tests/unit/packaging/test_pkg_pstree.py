@@ -1,32 +1,25 @@
 from __future__ import annotations
 
-import struct
+import sys
+from pathlib import Path
 
 import pytest
 
-from gpusnap.packaging.pstree import CORE_MAGIC, IMG_COMMON_MAGIC, PSTREE_MAGIC, ImageFormatError, process_tree
+from gpusnap.packaging.pstree import CORE_MAGIC, PSTREE_MAGIC, ImageFormatError, process_tree
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: criu_images
+from criu_images import field_bytes as _field_bytes  # noqa: E402
+from criu_images import field_varint as _field_varint  # noqa: E402
+from criu_images import image as _image  # noqa: E402
+from criu_images import varint as _varint  # noqa: E402
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
-def _field_varint(num: int, v: int) -> bytes:
-    return _varint(num << 3) + _varint(v)
 
 
-def _field_bytes(num: int, data: bytes) -> bytes:
-    return _varint(num << 3 | 2) + _varint(len(data)) + data
 
 
-def _image(magic: int, entries: list[bytes]) -> bytes:
-    return struct.pack("<II", IMG_COMMON_MAGIC, magic) + b"".join(struct.pack("<I", len(e)) + e for e in entries)
 
 
 def test_process_tree_with_names() -> None:
