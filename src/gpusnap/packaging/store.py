@@ -226,11 +226,7 @@ class BlobWriter:
                 self._file.close()
             except OSError as exc:
                 raise _storage_error(exc, self._store.root) from None
-            if self._store.has_blob(digest):
-                self._path.unlink()
-            else:
-                os.chmod(self._path, 0o600)
-                self._store._add_pending(digest, self._path, durable=self._sync)
+            self._store._adopt(digest, self._path, durable=self._sync)
             self._done = True
             return digest
         finally:
@@ -333,11 +329,7 @@ class PlacedBlobWriter:
             except OSError as exc:
                 raise _storage_error(exc, self._store.root) from None
             digest = "sha256:" + h.hexdigest()
-            if self._store.has_blob(digest):
-                self._path.unlink()
-            else:
-                os.chmod(self._path, 0o600)
-                self._store._add_pending(digest, self._path, durable=self._sync)
+            self._store._adopt(digest, self._path, durable=self._sync)
             self._done = True
             return digest
         finally:
@@ -384,6 +376,15 @@ class OciStore:
             with self._index_lock():
                 if not (self.root / "index.json").exists():
                     self._write_index({"schemaVersion": 2, "mediaType": MEDIA_OCI_INDEX, "manifests": []})
+
+    def _adopt(self, digest: str, path: Path, *, durable: bool) -> None:
+        """A blob written to ``path`` under ingest/ whose digest is ``digest``: dropped if the store
+        has it already, else private to root and pending until the next commit."""
+        if self.has_blob(digest):
+            path.unlink()
+        else:
+            os.chmod(path, 0o600)
+            self._add_pending(digest, path, durable=durable)
 
     # ---- blobs --------------------------------------------------------------------------------
     # Verified blobs wait in ingest/ ("pending") until :meth:`publish`, which makes all of them
