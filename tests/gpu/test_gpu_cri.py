@@ -97,7 +97,10 @@ def cuda_pod(node: Kubelet, name: str, image: str, data: Path):  # type: ignore[
     devices += sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))[:1]
     envs = {"WORKER_MODE": "cuda", "GB": str(GB), "SLEEP": "0.01", "PYTHONUNBUFFERED": "1", "HOME": "/tmp",
             "NVIDIA_VISIBLE_DEVICES": "all"}
-    return node.run(name, "gpusnap", image, args=[f"exec {sys.executable} /data/gpu_worker.py /data/out0"], envs=envs,
+    # What the pod was given, first in its log: the driver's folder, the linker path, the nodes.
+    show = ("echo LD_LIBRARY_PATH=$LD_LIBRARY_PATH; ls -la /usr/local/gpusnap/driver/lib 2>&1 | head -8; "
+            "ls -la /dev/nvidia* 2>&1; cat /proc/self/mountinfo | grep -i -e nvidia -e gpusnap; ")
+    return node.run(name, "gpusnap", image, args=[f"{show}exec {sys.executable} /data/gpu_worker.py /data/out0"], envs=envs,
                     mounts=mounts, devices=devices)
 
 

@@ -33,7 +33,7 @@ PROTO = PREFIX / "cri-api" / "api.proto"
 CRI_PORTS = range(5400, 5440)  # tests/integration/cri registries
 K8S_NAMESPACE = "k8s.io"  # the containerd namespace the CRI plugin keeps its containers in
 BUSYBOX = os.environ.get("GPUSNAP_BUSYBOX", "/bin/busybox")  # a static busybox (the GPU machine has none: staged)
-BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "true", "false", "seq", "date", "ls", "mkdir", "env")
+BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "true", "false", "seq", "date", "ls", "mkdir", "env", "grep", "head")
 
 
 def available() -> str:
@@ -147,7 +147,11 @@ class Containerd2:
         for d in (self.state, self.root):
             d.mkdir(parents=True, exist_ok=True)
         self.config_text()
-        env = {**os.environ, "PATH": ":".join(p for p in (str(PREFIX / "bin"), self.tools_bin, HOST_PATH) if p)}
+        # containerd 2.1 leaves a ctrd-checkpoint* folder (the CRIU images of each checkpoint) in
+        # its TMPDIR: this daemon's go with its state instead of piling up in /tmp.
+        tmp = self.state / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "TMPDIR": str(tmp), "PATH": ":".join(p for p in (str(PREFIX / "bin"), self.tools_bin, HOST_PATH) if p)}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([str(PREFIX / "bin" / "containerd"), "--config", str(self.config), "--log-level", "debug"],
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)

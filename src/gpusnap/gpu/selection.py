@@ -10,20 +10,24 @@ NVIDIA Container Toolkit's meaning so images built for it behave the same:
 - ``void`` or empty: as if nothing was asked — the spec is left untouched;
 - a comma list of indexes (``0,2``) and/or UUIDs (``GPU-…``).
 
-A spec that already carries GPU devices — injected through CDI (``podman --device
-nvidia.com/gpu=all``) or by the NVIDIA Container Toolkit's runtime or hook — is left as it is so
-nothing is injected twice.
+A spec whose GPUs another tool already injected whole — through CDI (``podman --device
+nvidia.com/gpu=all``: device nodes, the driver's libraries and the toolkit's hooks) or by the NVIDIA
+Container Toolkit's runtime or hook — is left as it is so nothing is injected twice. Device nodes
+alone are not such an injection: a Kubernetes device plugin (or ``--device /dev/nvidia0``) hands
+over the nodes and leaves the driver's libraries to the runtime, as the toolkit's runtime supplies
+them. Such a spec gets the rest from gpusnap (libraries, control nodes, hooks; the nodes it has
+are not doubled) for the GPUs whose nodes it was given. Given GPU nodes decide alone which GPUs
+the container has: they come from whoever may hand out GPUs (the kubelet), while the request is
+the pod author's; so this also holds where requests in the environment are ignored
+(``gpu_request_env = false``).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.config import HostPaths
 from gpusnap.errors import UsageError
 from gpusnap.gpu.discovery import GpuIdentity, Inventory
 
@@ -34,9 +38,11 @@ ENV_GPUSNAP = "GPUSNAP_VISIBLE_DEVICES"
 ENV_NVIDIA = "NVIDIA_VISIBLE_DEVICES"
 ENV_AMD = "AMD_VISIBLE_DEVICES"
 
-# Hooks that mean another tool already injects NVIDIA devices into this container.
-_TOOLKIT_HOOK_MARKERS = ("nvidia-container-runtime-hook", "nvidia-container-toolkit", "nvidia-ctk")
-_GPU_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/renderD")
+# Hooks that mean another tool already injects NVIDIA devices into this container (the legacy
+# runtime hook, and the hooks NVIDIA's CDI specs carry).
+_TOOLKIT_HOOK_MARKERS = ("nvidia-container-runtime-hook", "nvidia-container-toolkit", "nvidia-ctk", "nvidia-cdi-hook")
+NODES_SOURCE = "device nodes in the spec"
+GPU_NODE_PREFIX = "/dev/nvidia"  # /dev/nvidia<N>; gpusnap.ocispec.modifiers has the same (a unit test keeps them in step)
 
 
 @dataclass(frozen=True)
@@ -86,44 +92,41 @@ def find_request(spec: dict[str, Any], *, from_env: bool = True) -> GpuRequest |
     return None
 
 
-def cdi_device_paths(host: HostPaths, validate_cdi: Callable[[Any, str], None],
-                     cdi_dirs: tuple[str, ...] = ("etc/cdi", "var/run/cdi")) -> set[str]:
-    """Device node paths that the host's CDI specs define for GPU kinds, each file checked with
-    ``validate_cdi`` (the caller's: the CDI schema lives with the other specs, in ocispec)."""
-    paths: set[str] = set()
-    for rel in cdi_dirs:
-        d = host.root / rel
-        if not d.is_dir():
-            continue
-        for f in sorted(d.iterdir()):
-            if f.suffix != ".json":
-                continue  # YAML CDI specs need a YAML parser; podman resolves those itself
-            try:
-                doc = json.loads(f.read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise UsageError(f"{f}: not a readable CDI JSON file ({exc}); fix or remove it") from None
-            validate_cdi(doc, str(f))
-            if not str(doc.get("kind", "")).endswith("/gpu"):
-                continue
-            edits = [doc.get("containerEdits") or {}] + [d.get("containerEdits") or {} for d in doc.get("devices", [])]
-            for e in edits:
-                for node in e.get("deviceNodes") or []:
-                    paths.add(node["path"])
-    return paths
-
-
-def already_injected(spec: dict[str, Any], extra_paths: set[str] | None = None) -> str | None:
-    """Why the spec already has GPUs from elsewhere (CDI or the NVIDIA toolkit), or None."""
-    for dev in (spec.get("linux") or {}).get("devices") or []:
-        path = str(dev.get("path", ""))
-        if path.startswith(_GPU_DEVICE_PREFIXES) or (extra_paths and path in extra_paths):
-            return f"the spec already has {path} (CDI or another GPU runtime put it there)"
+def already_injected(spec: dict[str, Any]) -> str | None:
+    """Why the spec's GPUs were already injected whole by another tool (CDI or the NVIDIA
+    toolkit: their hooks, or the driver's libcuda mounted into the container), or None."""
     for stage, hooks in (spec.get("hooks") or {}).items():
         for hook in hooks or []:
             text = " ".join([str(hook.get("path", "")), *map(str, hook.get("args") or [])])
             if any(m in text for m in _TOOLKIT_HOOK_MARKERS):
                 return f"the NVIDIA Container Toolkit's {stage} hook is already in the spec"
+    for mount in spec.get("mounts") or []:
+        dest = str(mount.get("destination", ""))
+        if dest.rsplit("/", 1)[-1].startswith("libcuda.so"):
+            return f"the spec already mounts the driver's {dest} (CDI or another GPU runtime put it there)"
     return None
+
+
+def given_gpu_minors(spec: dict[str, Any]) -> set[int]:
+    """Minor numbers of the NVIDIA GPU nodes (/dev/nvidia<N>) the spec already has."""
+    minors: set[int] = set()
+    for dev in (spec.get("linux") or {}).get("devices") or []:
+        name = str(dev.get("path", ""))
+        if name.startswith(GPU_NODE_PREFIX) and name[len(GPU_NODE_PREFIX):].isdigit():
+            minor = dev.get("minor")
+            minors.add(int(minor) if isinstance(minor, int) else int(name[len(GPU_NODE_PREFIX):]))
+    return minors
+
+
+def _from_given_nodes(spec: dict[str, Any], inventory: Inventory) -> Selection | None:
+    """The GPUs whose nodes the spec was given (a device plugin's), when it asks for none."""
+    minors = given_gpu_minors(spec)
+    if not minors or not inventory.nvidia.present:
+        return None
+    gpus = [g for g in inventory.nvidia.gpus if (g.minor if g.minor >= 0 else g.index) in minors]
+    if not gpus:
+        return None
+    return Selection(GpuRequest(NODES_SOURCE, ",".join(g.uuid for g in gpus), "nvidia"), "nvidia", gpus)
 
 
 def _resolve_items(items: list[str], gpus: list[GpuIdentity], request: GpuRequest) -> list[GpuIdentity]:
@@ -145,9 +148,16 @@ def _resolve_items(items: list[str], gpus: list[GpuIdentity], request: GpuReques
 def select(spec: dict[str, Any], inventory: Inventory, *, from_env: bool = True) -> Selection | None:
     """The GPUs to inject for ``spec``, or None when nothing is to be injected.
 
+    GPU nodes the spec was given (a device plugin's) decide alone: the driver is completed for
+    exactly those GPUs, whatever the request says (the pod's author writes the request; the
+    kubelet hands out the nodes).
+
     Raises UsageError for indexes or UUIDs this host does not have, or a request this host
     cannot serve at all (no driver of that vendor).
     """
+    given = _from_given_nodes(spec, inventory)
+    if given is not None:
+        return given
     request = find_request(spec, from_env=from_env)
     if request is None or request.value in ("", "void"):
         return None

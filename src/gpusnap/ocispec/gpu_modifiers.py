@@ -32,7 +32,7 @@ from gpusnap.criu.config import AMD_RELAXED_ANNOTATION, CRIU_ENV_ANNOTATION, CRI
 from gpusnap.criu.config import find_criu_plugin_dir as _find_plugin_dir
 from gpusnap.errors import IncompatibleHostError, MissingDependencyError, UsageError
 from gpusnap.gpu.discovery import DeviceNode, DriverFile, Inventory, discover
-from gpusnap.gpu.selection import ASSIGNED_ANNOTATION, VENDOR_ANNOTATION, Selection, already_injected, cdi_device_paths, select
+from gpusnap.gpu.selection import ASSIGNED_ANNOTATION, NODES_SOURCE, VENDOR_ANNOTATION, Selection, already_injected, select
 
 STABLE_LIB_DIR = "/usr/local/gpusnap/driver/lib"
 STABLE_BIN_DIR = "/usr/local/gpusnap/driver/bin"
@@ -40,6 +40,9 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 ANN_ASSIGNED = ASSIGNED_ANNOTATION  # comma list of UUIDs actually given
 ANN_VENDOR = VENDOR_ANNOTATION
+# Comma list of the GPU nodes the spec came with (a device plugin's): kept when a later pass
+# takes out what gpusnap put in, so that they still decide which GPUs the container has.
+ANN_GIVEN_NODES = "gpusnap.io/given-gpu-nodes"
 # The host's CRIU plugin directory, for information only: the shim's CRIU config takes it from
 # the host again at every create and restore (gpusnap.criu.config.host_options), never from here.
 ANN_CRIU_LIBDIR = "gpusnap.io/criu-libdir"
@@ -82,10 +85,6 @@ def _validate(doc: Any, schema_name: str, what: str, fix: str) -> None:
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         raise UsageError(f"{what}: invalid at {where}: {error.message}; {fix}")
-
-
-def validate_cdi(doc: Any, what: str) -> None:
-    _validate(doc, "cdi.schema.json", what, "fix or remove the CDI file")
 
 
 def validate_hooks_d(doc: Any, what: str) -> None:
@@ -163,8 +162,8 @@ def plan_injection(
 ) -> InjectionPlan | None:
     """What to inject into ``spec``; None when it asks for no GPUs or already has them."""
     env = os.environ if env is None else env
-    # Devices that CDI or the NVIDIA toolkit put there win, whatever the request says.
-    if already_injected(spec, cdi_device_paths(settings.host, validate_cdi)) is not None:
+    # GPUs that CDI or the NVIDIA toolkit injected win, whatever the request says.
+    if already_injected(spec) is not None:
         return None
     selection = select(spec, inventory, from_env=settings.gpu_request_env)
     if selection is None:
@@ -282,10 +281,12 @@ def add_hooks(spec: dict[str, Any], hook_path: str, hook_env: list[str]) -> None
             entries.append({"path": hook_path, "args": ["gpusnap-hook", stage], "env": list(hook_env), "timeout": HOOK_TIMEOUT_S})
 
 
-def annotate_assignment(spec: dict[str, Any], selection: Selection) -> None:
+def annotate_assignment(spec: dict[str, Any], selection: Selection, given_nodes: list[str]) -> None:
     ann = spec.setdefault("annotations", {})
     ann[ANN_ASSIGNED] = ",".join(selection.uuids)
     ann[ANN_VENDOR] = selection.vendor
+    if given_nodes:
+        ann[ANN_GIVEN_NODES] = ",".join(given_nodes)
 
 
 def add_criu_config(spec: dict[str, Any], libdir: str | None, criu_env: dict[str, str]) -> None:
@@ -316,12 +317,14 @@ def criu_settings_from_annotations(annotations: Mapping[str, str]) -> tuple[str 
 
 
 def apply_plan(spec: dict[str, Any], plan: InjectionPlan) -> dict[str, Any]:
+    given = sorted(str(d.get("path")) for d in (spec.get("linux") or {}).get("devices") or []
+                   if plan.selection.request.source == NODES_SOURCE and str(d.get("path", "")).startswith("/dev/nvidia"))
     add_device_nodes(spec, plan.nodes)
     add_driver_mounts(spec, plan.libraries, plan.binaries, plan.lib_dir)
     add_gpu_env(spec, plan)
     if plan.hook_path:
         add_hooks(spec, plan.hook_path, plan.hook_env)
-    annotate_assignment(spec, plan.selection)
+    annotate_assignment(spec, plan.selection, given)
     if plan.selection.vendor == "amd":
         add_criu_config(spec, plan.criu_libdir, plan.criu_env)
     return spec
@@ -337,9 +340,12 @@ def strip_own_injection(spec: dict[str, Any]) -> bool:
         return False
     linux = spec.get("linux") or {}
     devices = linux.get("devices") or []
-    ours = [d for d in devices if str(d.get("path", "")).startswith(("/dev/nvidia", "/dev/kfd", "/dev/dri/"))]
+    given = set(str(annotations.get(ANN_GIVEN_NODES, "")).split(","))
+    gpu_nodes = [d for d in devices if str(d.get("path", "")).startswith(("/dev/nvidia", "/dev/kfd", "/dev/dri/"))]
+    ours = [d for d in gpu_nodes if d.get("path") not in given]
     linux["devices"] = [d for d in devices if d not in ours]
-    gone = {(d.get("type", "c"), d.get("major"), d.get("minor")) for d in ours}
+    # The given nodes' allow rules go too: the injection adds the same rules again, in its order.
+    gone = {(d.get("type", "c"), d.get("major"), d.get("minor")) for d in gpu_nodes}
     resources = linux.get("resources") or {}
     if "devices" in resources:
         resources["devices"] = [
@@ -347,7 +353,7 @@ def strip_own_injection(spec: dict[str, Any]) -> bool:
             if not (r.get("allow") and r.get("access") == "rwm" and (r.get("type"), r.get("major"), r.get("minor")) in gone)
         ]
     spec["mounts"] = [m for m in spec.get("mounts") or [] if not str(m.get("destination", "")).startswith("/usr/local/gpusnap/driver/")]
-    for key in (ANN_ASSIGNED, ANN_VENDOR, ANN_CRIU_ENV):
+    for key in (ANN_ASSIGNED, ANN_VENDOR, ANN_CRIU_ENV, ANN_GIVEN_NODES):
         annotations.pop(key, None)
     if annotations.pop(ANN_CRIU_LIBDIR, None) is not None:
         # Specs written before the libdir moved to the host side carry it in the options too.
@@ -383,9 +389,9 @@ class GpuInjection:
         self._shim_path = shim_path
 
     def modify(self, spec: dict[str, Any]) -> dict[str, Any]:
-        from gpusnap.gpu.selection import find_request
+        from gpusnap.gpu.selection import find_request, given_gpu_minors
 
-        if find_request(spec, from_env=self.settings.gpu_request_env) is None:
+        if find_request(spec, from_env=self.settings.gpu_request_env) is None and not given_gpu_minors(spec):
             return spec  # the common case: no discovery at all for CPU containers
         strip_own_injection(spec)
         plan = plan_injection(spec, self.settings, self._discover(self.settings), env=self._env, shim_path=self._shim_path)

@@ -38,6 +38,7 @@ GPU_REQUEST_ANNOTATION = "gpusnap.io/gpus"
 GPU_REQUEST_ENV = ("GPUSNAP_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "AMD_VISIBLE_DEVICES")
 GPU_INJECTED_ANNOTATION = "gpusnap.io/assigned-gpus"
 GPU_VENDOR_ANNOTATION = "gpusnap.io/gpu-vendor"
+GPU_NODE_PREFIX = "/dev/nvidia"  # /dev/nvidia<N>: a GPU node (gpusnap.gpu.selection.given_gpu_minors)
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,10 @@ class CriuConfigModifier:
 
     def apply(self, spec: dict[str, Any], ctx: ModifyContext) -> list[Step]:
         annotations = spec.setdefault("annotations", {})
-        if not has_gpu_request(spec, from_env=self.settings.gpu_request_env):
-            # Written by GpuInjection for the GPUs it gave; without a request there were none,
-            # so these came from elsewhere: the GPU plan must not pair a restore with them.
+        if not has_gpu_request(spec, from_env=self.settings.gpu_request_env) and not has_given_gpu_nodes(spec):
+            # Written by GpuInjection for the GPUs it gave; without a request or given GPU nodes
+            # there were none, so these came from elsewhere: the GPU plan must not pair a
+            # restore with them.
             for key in (GPU_INJECTED_ANNOTATION, GPU_VENDOR_ANNOTATION, "gpusnap.io/criu-libdir"):
                 annotations.pop(key, None)
         check_annotations(annotations)
@@ -130,9 +132,21 @@ def has_gpu_request(spec: dict[str, Any], *, from_env: bool = True) -> bool:
     return any(str(item).partition("=")[0] in GPU_REQUEST_ENV for item in env)
 
 
+def has_given_gpu_nodes(spec: dict[str, Any]) -> bool:
+    """Whether the spec came with NVIDIA GPU nodes (/dev/nvidia<N>: a device plugin's, or
+    --device), which gpusnap.gpu.selection completes with the driver."""
+    for dev in (spec.get("linux") or {}).get("devices") or []:
+        path = str(dev.get("path", ""))
+        if path.startswith(GPU_NODE_PREFIX) and path[len(GPU_NODE_PREFIX):].isdigit():
+            return True
+    return False
+
+
 def asks_for_gpus(spec: dict[str, Any], *, from_env: bool = True) -> bool:
-    """Whether the GPU modifier has anything to do: a GPU request, or an earlier injection."""
-    return GPU_INJECTED_ANNOTATION in (spec.get("annotations") or {}) or has_gpu_request(spec, from_env=from_env)
+    """Whether the GPU modifier has anything to do: a GPU request, given GPU nodes, or an
+    earlier injection."""
+    return (GPU_INJECTED_ANNOTATION in (spec.get("annotations") or {}) or has_gpu_request(spec, from_env=from_env)
+            or has_given_gpu_nodes(spec))
 
 
 class LazyGpuInjection:

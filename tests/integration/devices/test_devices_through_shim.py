@@ -270,12 +270,21 @@ def test_podman_bad_index_clear_error_and_no_container(gpu_shim: GpuShim, podman
     assert run(["podman", "ps", "-a", "-q", "--filter", f"name=^{name}$"]).stdout.strip() == ""
 
 
-def test_podman_cdi_style_devices_are_not_doubled(gpu_shim: GpuShim, podman_names: list[str]) -> None:
-    """A container that already has the GPU nodes (as podman --device / CDI gives them) is left as is."""
+def test_podman_given_nodes_are_completed_not_doubled(gpu_shim: GpuShim, podman_names: list[str]) -> None:
+    """Nodes handed over by --device (as a Kubernetes device plugin hands them) are not a whole
+    injection: the container still gets the driver. With a request, the request's GPUs (the
+    given control node not doubled); with a GPU node given, exactly that GPU, whatever the
+    request says."""
+    ctl = gpu_shim.tree.path("/dev/nvidiactl")
     name = unique("poddev")
     podman_names.append(name)
-    ctl = gpu_shim.tree.path("/dev/nvidiactl")
     out = podman(gpu_shim, "run", "--rm", "--name", name, "--device", f"{ctl}:/dev/nvidiactl", "-e", "NVIDIA_VISIBLE_DEVICES=all",
                  PODMAN_IMAGE, "sh", "-c", PROBE).stdout
-    view = parse_probe(out)
-    assert list(view.nodes) == ["/dev/nvidiactl"] and view.libs == {} and "GPUSNAP_ASSIGNED_GPUS" not in view.env
+    assert_sees_injection(parse_probe(out), gpu_shim, None)
+    gpu1 = gpu_shim.tree.path("/dev/nvidia1")
+    for env in ([], ["-e", "NVIDIA_VISIBLE_DEVICES=all"]):
+        name = unique("podplugin")
+        podman_names.append(name)
+        out = podman(gpu_shim, "run", "--rm", "--name", name, "--device", f"{ctl}:/dev/nvidiactl", "--device", f"{gpu1}:/dev/nvidia1",
+                     *env, PODMAN_IMAGE, "sh", "-c", PROBE).stdout
+        assert_sees_injection(parse_probe(out), gpu_shim, [1])

@@ -78,32 +78,33 @@ def test_amd_selection(tmp_path: Path) -> None:
     assert s.select(spec(annotations={s.ANNOTATION: "all"}), inv).vendor == "amd"
 
 
-def test_already_injected_by_cdi_device_or_toolkit_hook() -> None:
-    cdi = spec(linux={"devices": [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]})
-    assert "/dev/nvidia0" in s.already_injected(cdi)
+def test_already_injected_by_toolkit_hook_or_driver_mount_not_by_nodes_alone() -> None:
+    nodes = spec(linux={"devices": [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]})
+    assert s.already_injected(nodes) is None  # a device plugin's nodes: the driver is still missing
     hooked = spec(hooks={"prestart": [{"path": "/usr/bin/nvidia-container-runtime-hook", "args": ["x", "prestart"]}]})
     assert "Toolkit" in s.already_injected(hooked)
     ctk = spec(hooks={"createContainer": [{"path": "/usr/bin/nvidia-ctk", "args": ["nvidia-ctk", "hook", "update-ldcache"]}]})
     assert s.already_injected(ctk)
-    assert s.already_injected(spec(linux={"devices": [{"path": "/dev/fuse"}]})) is None
-    assert s.already_injected(spec(linux={"devices": [{"path": "/dev/accel0"}]}), {"/dev/accel0"})
+    cdi_hook = spec(hooks={"createContainer": [{"path": "/usr/bin/nvidia-cdi-hook", "args": ["nvidia-cdi-hook", "create-symlinks"]}]})
+    assert s.already_injected(cdi_hook)
+    cdi_mount = spec(mounts=[{"destination": "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04", "source": "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"}])
+    assert "libcuda" in s.already_injected(cdi_mount)
+    assert s.already_injected(spec(mounts=[{"destination": "/usr/lib/libcudart.so.12"}])) is None
 
 
-def test_cdi_device_paths_read_and_validated(tmp_path: Path) -> None:
-    from gpusnap.ocispec.gpu_modifiers import validate_cdi
-
-    cdi = tmp_path / "etc/cdi"
-    cdi.mkdir(parents=True)
-    (cdi / "vendor.json").write_text(json.dumps({
-        "cdiVersion": "0.6.0", "kind": "example.com/gpu",
-        "devices": [{"name": "0", "containerEdits": {"deviceNodes": [{"path": "/dev/egpu0"}]}}],
-        "containerEdits": {"deviceNodes": [{"path": "/dev/egpuctl"}]},
-    }))
-    (cdi / "notes.txt").write_text("ignored")
-    assert s.cdi_device_paths(HostPaths(tmp_path), validate_cdi) == {"/dev/egpu0", "/dev/egpuctl"}
-    (cdi / "broken.json").write_text(json.dumps({"cdiVersion": "0.6.0", "kind": "example.com/gpu", "devices": [{"name": "0"}]}))
-    with pytest.raises(UsageError, match=r"broken.json: invalid at devices/0: 'containerEdits' is a required property"):
-        s.cdi_device_paths(HostPaths(tmp_path), validate_cdi)
-    (cdi / "broken.json").write_text("{nope")
-    with pytest.raises(UsageError, match="not a readable CDI JSON"):
-        s.cdi_device_paths(HostPaths(tmp_path), validate_cdi)
+def test_given_gpu_nodes_decide_whatever_the_request(inv) -> None:
+    gpu1 = next(g for g in inv.nvidia.gpus if g.index == 1)
+    minor = gpu1.minor if gpu1.minor >= 0 else gpu1.index
+    given = {"devices": [{"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+                         {"path": f"/dev/nvidia{minor}", "type": "c", "major": 195, "minor": minor}]}
+    assert s.given_gpu_minors(spec(linux=given)) == {minor}
+    for env in (["PATH=/bin"], ["NVIDIA_VISIBLE_DEVICES=all"], ["NVIDIA_VISIBLE_DEVICES=9"], ["NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices"]):
+        sel = s.select(spec(env, linux=given), inv)
+        assert sel is not None and sel.uuids == [gpu1.uuid] and sel.request.source == s.NODES_SOURCE, env
+        assert s.select(spec(env, linux=given), inv, from_env=False).uuids == [gpu1.uuid]
+    # nvidiactl alone names no GPU: the request decides as without nodes
+    ctl = {"devices": given["devices"][:1]}
+    assert s.select(spec(["PATH=/bin"], linux=ctl), inv) is None
+    assert s.select(spec(["NVIDIA_VISIBLE_DEVICES=all"], linux=ctl), inv).uuids == [g.uuid for g in inv.nvidia.gpus]
+    # nodes of GPUs this host does not have: nothing to complete, the request decides
+    assert s.select(spec(linux={"devices": [{"path": "/dev/nvidia77", "type": "c", "major": 195, "minor": 77}]}), inv) is None

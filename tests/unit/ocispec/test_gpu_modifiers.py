@@ -165,9 +165,31 @@ def test_no_request_or_cdi_injected_spec_is_untouched(settings: Settings) -> Non
     assert gm.GpuInjection(settings, env=ENV, discover_fn=lambda s: pytest.fail("no discovery for CPU containers")).modify(copy.deepcopy(plain)) == plain
     cdi = base_spec(["NVIDIA_VISIBLE_DEVICES=all"])
     cdi["linux"]["devices"] = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
+    cdi["mounts"].append({"destination": "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04", "type": "bind",
+                          "source": "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04", "options": ["ro", "bind"]})
     assert gm.GpuInjection(settings, env=ENV).modify(copy.deepcopy(cdi)) == cdi
     cdi["process"]["env"] = ["NVIDIA_VISIBLE_DEVICES=9"]  # the toolkit's value, meaningless to us: left alone
     assert gm.GpuInjection(settings, env=ENV).modify(copy.deepcopy(cdi)) == cdi
+
+
+def test_device_plugin_nodes_get_the_driver_for_exactly_those_gpus(settings: Settings) -> None:
+    """A device plugin hands over /dev/nvidia0 (and the control nodes) and nothing else: the
+    container gets the driver's libraries, the hooks and the assignment for GPU 0 only, its
+    nodes are not doubled, and the pod author's request does not widen it."""
+    given = [{"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+             {"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
+    for env in (["PATH=/bin"], ["NVIDIA_VISIBLE_DEVICES=all"]):
+        spec = base_spec(env)
+        spec["linux"]["devices"] = copy.deepcopy(given)
+        out = gm.GpuInjection(settings, env=ENV).modify(spec)
+        paths = [d["path"] for d in out["linux"]["devices"]]
+        assert paths.count("/dev/nvidiactl") == 1 and paths.count("/dev/nvidia0") == 1 and "/dev/nvidia1" not in paths, paths
+        assert any(m["destination"] == "/usr/local/gpusnap/driver/lib" for m in out["mounts"])
+        assert "LD_LIBRARY_PATH=/usr/local/gpusnap/driver/lib" in out["process"]["env"]
+        assert len(out["annotations"]["gpusnap.io/assigned-gpus"].split(",")) == 1
+        assert out["hooks"]["createContainer"]
+        validate_spec(out, Path("config.json"))
+        assert gm.GpuInjection(settings, env=ENV).modify(copy.deepcopy(out)) == out  # idempotent
 
 
 def test_bad_index_is_a_usage_error(settings: Settings) -> None:

@@ -120,3 +120,9 @@ def test_gpu_precheck_matches_selection() -> None:
         assert modifiers.asks_for_gpus(spec) == (selection.find_request(spec) is not None), spec
     # A spec injected earlier is refreshed even if its request is gone (the modifier decides).
     assert modifiers.asks_for_gpus({"annotations": {"gpusnap.io/assigned-gpus": "GPU-1"}})
+    # Given GPU nodes (a device plugin's) are completed with the driver: the same test on both sides.
+    assert modifiers.GPU_NODE_PREFIX == selection.GPU_NODE_PREFIX
+    for devices in ([{"path": "/dev/nvidia3", "minor": 3}], [{"path": "/dev/nvidiactl"}], [{"path": "/dev/nvidia-uvm"}], [{"path": "/dev/fuse"}]):
+        spec = {"linux": {"devices": devices}}
+        assert modifiers.has_given_gpu_nodes(spec) == bool(selection.given_gpu_minors(spec)), devices
+        assert modifiers.asks_for_gpus(spec) == modifiers.has_given_gpu_nodes(spec)
