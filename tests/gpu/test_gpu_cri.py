@@ -104,7 +104,7 @@ def cuda_pod(node: Kubelet, name: str, image: str, data: Path):  # type: ignore[
                     mounts=mounts, devices=devices)
 
 
-def test_cuda_pod_checkpointed_by_cri_and_restored_from_image(node: Kubelet, tmp_path: Path) -> None:
+def test_cuda_pod_checkpointed_by_cri_and_restored_from_image(node: Kubelet, tmp_path: Path, report) -> None:  # type: ignore[no-untyped-def]
     data = tmp_path / "data"
     data.mkdir()
     shutil.copy(WORKER, data / "gpu_worker.py")
@@ -140,4 +140,7 @@ def test_cuda_pod_checkpointed_by_cri_and_restored_from_image(node: Kubelet, tmp
     matched = assert_matches(steps(data), reference("cuda", GB, stop, tmp_path), after=at_checkpoint)
     print(f"cri gpu: {GB} GiB, archive {archive.stat().st_size >> 20} MiB, CheckpointContainer {checkpoint_s:.2f}s, "
           f"new pod from checkpoint image {restore_s:.2f}s, {matched} steps equal to the reference")
+    # checkpoint = the kubelet's CheckpointContainer; restore = CreateContainer+Start of the new pod.
+    report(test="CRI: CheckpointContainer, new pod from the checkpoint image", gib=GB, checkpoint_s=round(checkpoint_s, 2),
+           restore_s=round(restore_s, 2), steps_compared=matched, archive_mib=archive.stat().st_size >> 20)
     node.remove(restored)
