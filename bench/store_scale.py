@@ -86,30 +86,42 @@ def hwm() -> int:
     return 0
 
 
-def child(src: Path, store: Path, ref: str, workers: int | None) -> None:
+def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "") -> None:
     import inspect
     import resource
 
     from gpusnap.packaging import api
 
-    kw = {"workers": workers} if workers and "workers" in inspect.signature(api.store_checkpoint).parameters else {}
+    kw: dict[str, object] = {"workers": workers} if workers and "workers" in inspect.signature(api.store_checkpoint).parameters else {}
     if workers and not kw:
         os.cpu_count = lambda: workers  # type: ignore[assignment]  # a gpusnap without the parameter sizes its pool by this
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
+    pipeline = api.start_push(store, push, insecure=True) if push else None
+    if pipeline is not None:
+        kw["on_blob"] = pipeline.on_blob  # checkpoint --push: each blob goes up as soon as it is stored
     st = api.store_checkpoint(store, src, form="criu-dir", ref=ref, **kw)
+    store_s = time.perf_counter() - t0
+    if pipeline is not None:
+        pipeline.finish(ref)
     secs = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    print(json.dumps({"seconds": secs, "cpu_s": cpu, "hwm": hwm(), "new_bytes": st.new_bytes, "size": st.size}))
+    print(json.dumps({"seconds": secs, "store_s": store_s, "cpu_s": cpu, "hwm": hwm(), "new_bytes": st.new_bytes, "size": st.size}))
 
 
-def run_store(src: Path, store: Path, ref: str, size: int, workers: int | None) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", "--src", str(src), "--store", str(store), "--ref", ref,
-                          "--workers", str(workers or 0)], check=True, capture_output=True, text=True)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"seconds": round(r["seconds"], 2), "gb_s": round(size / r["seconds"] / 1e9, 3),
-            "cpu_s_per_gb": round(r["cpu_s"] / (size / 1e9), 3),
+def run_store(src: Path, store: Path, ref: str, size: int, workers: int | None, push: str = "",
+              profile: Path | None = None) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--child", "--src", str(src), "--store", str(store), "--ref", ref,
+           "--workers", str(workers or 0), "--push", push]
+    if profile is not None:
+        # py-spy samples every thread, idle ones too: where the store and the uploads wait.
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        cmd = ["py-spy", "record", "--threads", "--idle", "--rate", "200", "--format", "raw", "-o", str(profile), "--", *cmd]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    r = json.loads([line for line in out.stdout.strip().splitlines() if line.startswith("{")][-1])
+    return {"seconds": round(r["seconds"], 2), "store_s": round(r.get("store_s", r["seconds"]), 2),
+            "gb_s": round(size / r["seconds"] / 1e9, 3), "cpu_s_per_gb": round(r["cpu_s"] / (size / 1e9), 3),
             "peak_rss_mib": round(r["hwm"] / MIB, 1), "new_gb": round(r["new_bytes"] / 1e9, 3)}
 
 
@@ -123,22 +135,39 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0, help="the store's worker threads (default: one per core); "
                     "e.g. 16 to see the memory of a 16-core host on a small one")
     ap.add_argument("--keep", action="store_true", help="keep the source directory for the next run")
+    ap.add_argument("--push", default="", help=argparse.SUPPRESS)  # the child's: host:port/repo:tag
+    ap.add_argument("--with-push", action="store_true",
+                    help="also store while pushing to a local docker-registry (checkpoint --push's pipeline), "
+                         "registry storage on /dev/shm, next to the store alone in the same run")
+    ap.add_argument("--profile", type=Path, default=None, help="py-spy raw profiles of each store into this folder")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.src, a.store, a.ref, a.workers or None)
+        child(a.src, a.store, a.ref, a.workers or None, a.push)
         return 0
     size = int(a.gib * GIB) // PAGE * PAGE
     t0 = time.perf_counter()
     make_source(a.src, size)
     print(f"source {a.src}: {size / GIB:.1f} GiB ({time.perf_counter() - t0:.1f} s to make); {os.cpu_count()} cores", flush=True)
     shutil.rmtree(a.store, ignore_errors=True)
+    prof = (lambda name: a.profile / f"{name}.txt") if a.profile else (lambda name: None)
     try:
-        first = run_store(a.src, a.store, "scale:1", size, a.workers or None)
+        first = run_store(a.src, a.store, "scale:1", size, a.workers or None, profile=prof("store"))
         print(f"first store (empty store):      {json.dumps(first)}", flush=True)
         if not a.rss_only:
             second = run_store(a.src, a.store, "scale:2", size, a.workers or None)
             print(f"second store (all pieces known): {json.dumps(second)}", flush=True)
+        if a.with_push:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from stack.registry import Registry
+
+            shutil.rmtree(a.store, ignore_errors=True)
+            with Registry(Path("/dev/shm/gs-store-scale-registry"), range(5480, 5500)) as reg:
+                pushed = run_store(a.src, a.store, "scale:1", size, a.workers or None, push=f"{reg.host}/scale/push:1",
+                                   profile=prof("store-push"))
+            shutil.rmtree("/dev/shm/gs-store-scale-registry", ignore_errors=True)
+            print(f"store + pipelined push (empty store and registry): {json.dumps(pushed)}; "
+                  f"store {pushed['store_s'] / first['seconds']:.2f}x the store alone", flush=True)
     finally:
         shutil.rmtree(a.store, ignore_errors=True)
         if not a.keep:
