@@ -233,8 +233,35 @@ def check_store(settings: Settings) -> list[Check]:
     return [Check("store", OK, f"{store} (empty)")]
 
 
+def check_work_dirs(settings: Settings) -> list[Check]:
+    """Checkpoints that killed runs left in work dirs: the next checkpoint or restore stores
+    them (or removes what is stored elsewhere); where it cannot tell, the user must say."""
+    from gpusnap.engines import workdirs
+
+    base = settings.state_dir / "tmp"
+    if not base.is_dir():
+        return [Check("work dirs", OK, "none")]
+    found = workdirs.survey(base, container_running=lambda _record: None)
+    live = sum(1 for f in found if f.live)
+    waiting = [f for f in found if f.verdict is not None and f.verdict.action != "remove" and f.record is not None]
+    spare = sum(1 for f in found if f.verdict is not None and f.verdict.action == "remove")
+    if not waiting:
+        detail = f"{live} in use" + (f", {spare} left by killed runs holding nothing that is not stored (the next run removes them)" if spare else "")
+        return [Check("work dirs", OK, detail if found else "none")]
+    checks = []
+    for f in waiting:
+        assert f.record is not None and f.verdict is not None
+        image = f.record.checkpoint or str(f.work)
+        if f.verdict.action == "recover":
+            fix = f"run any gpusnap checkpoint or restore: it stores it as {f.record.ref or 'a -recovered-<time> reference'}"
+        else:
+            fix = f"if it is wanted: gpusnap import {image} REF, then remove {f.work}; else remove {f.work}"
+        checks.append(Check("work dirs", WARN, f"a killed gpusnap checkpoint of {f.record.container or '?'} left {image} ({f.verdict.reason})", fix))
+    return checks
+
+
 def run_checks(settings: Settings) -> list[Check]:
     checks: list[Check] = []
-    for fn in (check_criu, check_network_lock, check_kernel, check_runc, check_engines, check_gpu, check_store):
+    for fn in (check_criu, check_network_lock, check_kernel, check_runc, check_engines, check_gpu, check_store, check_work_dirs):
         checks.extend(fn(settings))
     return checks

@@ -170,6 +170,28 @@ def sweep(base: Path, *, recover: Callable[[Path, WorkRecord], str] | None,
     return done
 
 
+@dataclass(frozen=True)
+class Found:
+    """One work dir as :func:`survey` sees it, nothing done to it."""
+
+    work: Path
+    record: WorkRecord | None
+    live: bool  # its run is still going (or a process still uses it)
+    verdict: Verdict | None  # for a dead run's dir: what the next gpusnap run will do with it
+
+
+def survey(base: Path, *, container_running: Callable[[WorkRecord], bool | None]) -> list[Found]:
+    """Every work dir under ``base`` and what the next run would do with it, without touching
+    any (``gpusnap doctor``)."""
+    found: list[Found] = []
+    for work in sorted(base.glob("work-*-*")):
+        with _dead(work) as dead:
+            record = WorkRecord.read(work)
+            verdict = decide(record, work, container_running=container_running) if dead else None
+            found.append(Found(work, record, not dead, verdict))
+    return found
+
+
 @contextmanager
 def _dead(work: Path) -> Iterator[bool]:
     """True (holding the owner's lock while the block runs) when ``work``'s run is dead."""
