@@ -198,6 +198,12 @@ def _recovery_ref(record: workdirs.WorkRecord) -> str:
 
 def _store_recovered(settings: Settings, api: Any, record: workdirs.WorkRecord) -> str:
     path = Path(record.checkpoint)
+    if record.stage == workdirs.STARTED:
+        # The dump finished after gpusnap died (workdirs.decide): the engine takes the steps
+        # that run did not live to take before the images can be stored.
+        complete = getattr(make_engine(record.engine, settings), "complete_interrupted", None)
+        if complete is None or not complete(path, record.container):
+            raise GpusnapError(f"the checkpoint of {record.container} in {path} lacks what {record.engine} adds after a dump")
     meta = read_metadata(path, record.form) if path.is_dir() or record.form == FORM_PODMAN_ARCHIVE else None
     wanted = record.ref
     taken = bool(wanted) and _in_store(api, settings, wanted)

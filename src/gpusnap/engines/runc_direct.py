@@ -579,35 +579,67 @@ class RuncDirectEngine(EngineBase):
                 )
         self._require_network_lock(rec, skip_lock, "checkpoint")
         dest.mkdir(parents=True)
-        work = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name)))
-        args = ["checkpoint", "--image-path", str(dest), "--work-path", str(work)]
+        # The record first: if gpusnap dies while runc dumps, runc and CRIU finish without it,
+        # and the next run can only store what it finds here (complete_interrupted).
+        self._write_portable_record(rec, dest)
+        # CRIU's work files go with the images: its stats-dump, written only when a dump
+        # succeeded, then tells a run that finds them after this one died that they are whole.
+        args = ["checkpoint", "--image-path", str(dest), "--work-path", str(dest)]
         if opts.leave_running:
             args.append("--leave-running")
         if opts.tcp_established:
             args.append("--tcp-established")
         proc = self._runtime(*args, rec.name)
         if proc.returncode != 0:
+            logs = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name)))
+            for log in dest.glob("*.log"):  # kept for the user; the images go
+                shutil.move(str(log), logs / log.name)
             detail = _last_error_line(proc.stderr)
             if not detail or "criu failed" in detail:  # runc's own line names no cause
-                detail = _criu_log_tail(work)
+                detail = _criu_log_tail(logs)
             shutil.rmtree(dest, ignore_errors=True)
             still = "still runs" if self.is_running(container) else "is no longer running"
-            raise CheckpointError(f"could not checkpoint {rec.name}: {detail}; the container {still} (CRIU logs: {work})")
-        shutil.rmtree(work, ignore_errors=True)
+            raise CheckpointError(f"could not checkpoint {rec.name}: {detail}; the container {still} (CRIU logs: {logs})")
+        for log in dest.glob("*.log"):
+            log.unlink()  # CRIU's dump.log is no part of the checkpoint
+        self._after_dump(rec, dest, leave_running=opts.leave_running)
+        return EngineCheckpoint(form=self.form, path=dest, image_dir=dest, container=container)
+
+    def _write_portable_record(self, rec: RuncDirectRecord, dest: Path) -> None:
         spec = json.loads((self.container_dir(rec.name) / "bundle" / "config.json").read_text())
+        portable = {"record": {**asdict(rec), "status": "running", "logcopy_pid": 0}, "spec": spec}
+        (dest / BUNDLE_RECORD).write_text(json.dumps(portable, indent=2, sort_keys=True))
+
+    def _after_dump(self, rec: RuncDirectRecord, dest: Path, *, leave_running: bool) -> None:
+        """What a checkpoint adds once runc has dumped: the overlay's writable layer, and for a
+        container the dump stopped, its record and network set as a stopped one's."""
         if rec.rootfs == OVERLAY_ROOTFS:
             scratch, _ = overlay_paths(self.container_dir(rec.name))
             pack_upper(scratch / "upper", dest / UPPER_ARCHIVE)
-        portable = {"record": {**asdict(rec), "status": "running", "logcopy_pid": 0}, "spec": spec}
-        (dest / BUNDLE_RECORD).write_text(json.dumps(portable, indent=2, sort_keys=True))
-        if not opts.leave_running:
+        if not leave_running:
             # runc deleted the container after dumping it; keep the record so `ps` shows it.
             rec.status = "checkpointed"
             self._save(rec)
             # Its network goes too (the checkpoint carries the record): a restore, under this
             # name or another, recreates it with the same address for --tcp-established.
             self._network_down(rec)
-        return EngineCheckpoint(form=self.form, path=dest, image_dir=dest, container=container)
+
+    def complete_interrupted(self, dest: Path, name: str) -> bool:
+        """Finish a stop-the-container checkpoint whose gpusnap died while runc dumped into
+        ``dest`` and whose dump then succeeded (CRIU's stats-dump is there): the steps
+        :meth:`checkpoint` takes after the dump. False when ``dest`` cannot be made whole (no
+        engine record in it, or the container's own files are gone)."""
+        rec = self._load(name)
+        if rec is None or not (dest / BUNDLE_RECORD).is_file():
+            return False
+        if self.is_running(self._info(rec)):
+            return False  # not the container this dump stopped (restored again since?)
+        if rec.rootfs == OVERLAY_ROOTFS and not (overlay_paths(self.container_dir(rec.name))[0] / "upper").is_dir():
+            return False
+        for log in dest.glob("*.log"):
+            log.unlink()
+        self._after_dump(rec, dest, leave_running=False)
+        return True
 
     def restore(self, source: Path, opts: RestoreOptions) -> ContainerInfo:
         record_path = source / BUNDLE_RECORD

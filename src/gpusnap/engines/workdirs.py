@@ -37,6 +37,11 @@ DUMPED = "dumped"  # the engine's checkpoint returned: the image is whole
 DESCRIBED = "described"  # gpusnap.json written into it
 STORED = "stored"  # tagged in the local store: the work dir is a spare copy
 
+DUMP_DONE = "stats-dump"  # CRIU writes it into the image directory only when a dump succeeded
+# Engines whose checkpoint a dead gpusnap left half-done can be finished by the next run
+# (their ``complete_interrupted``): runc-direct, whose runc dumps into gpusnap's work dir.
+FINISHES_INTERRUPTED = ("runc-direct",)
+
 
 @dataclass
 class WorkRecord:
@@ -95,7 +100,12 @@ def decide(record: WorkRecord | None, work: Path, *, container_running: Callable
     # STARTED: gpusnap died while the engine dumped. The engine's runc (and CRIU) may have
     # finished without it; then the container is stopped and these images are all that is left.
     if record.form == "criu-dir" and not (image / "inventory.img").exists():
-        return Verdict("remove", "the dump did not finish")
+        return Verdict("remove", "the dump did not finish")  # CRIU writes the inventory first
+    if record.form == "criu-dir" and record.engine in FINISHES_INTERRUPTED and (image / DUMP_DONE).exists():
+        # CRIU writes stats-dump only once a dump has succeeded: the container is stopped and
+        # this is its checkpoint, which the engine can finish (the steps gpusnap did not live
+        # to take) and the next run store.
+        return Verdict("recover", f"the dump of {record.container} finished after gpusnap died: its only copy")
     running = container_running(record)
     if running:
         return Verdict("remove", f"the dump did not finish; {record.container} still runs")

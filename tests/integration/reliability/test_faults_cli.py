@@ -219,3 +219,65 @@ def test_a_live_checkpoint_is_spared_and_a_failed_push_rolls_back(tmp_path: Path
         _gs(env, "delete", name)
         ledger.record("fault", "registry refuses the upload of a stop-the-container checkpoint --push", passed=held,
                       detail="other runs spared the live work dir; rolled back: container running, no tag")
+
+
+@pytest.mark.parametrize("overlay", [False, True], ids=["busybox-root", "overlay-root"])
+def test_kill9_cli_checkpoint_while_criu_dumps(tmp_path: Path, ledger, overlay: bool) -> None:  # type: ignore[no-untyped-def]
+    """kill -9 of `gpusnap checkpoint` while CRIU dumps a container the checkpoint stops: runc and
+    CRIU finish without it, so the container is gone and the killed run's work dir holds its only
+    copy, short of what runc-direct adds after a dump (the overlay's writable layer). `gpusnap
+    doctor` shows it; the next run finishes the engine's part, stores it and says so; it restores
+    and the counter goes on."""
+    root = tmp_path / "gs"
+    env = {**os.environ, "GPUSNAP_RUN_DIR": str(root / "run"), "GPUSNAP_STATE_DIR": str(root / "state"),
+           "GPUSNAP_STORE": str(root / "store"), "GPUSNAP_CONFIG": str(root / "none.toml"), "COLUMNS": "100"}
+    name = f"gs-rel-dump-{uuid.uuid4().hex[:6]}"
+    held = 0
+    try:
+        assert _gs(env, "run", name, *(["--rootfs-overlay", "/"] if overlay else []), "--", "sh", "-c", BIG).returncode == 0
+        assert _wait(lambda: len(_numbers(env, name)) >= 4)
+        proc = subprocess.Popen([GPUSNAP, "checkpoint", name], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        image = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            rec = _record(root, proc.pid)
+            if rec.get("stage") == "started" and (Path(str(rec.get("checkpoint"))) / "inventory.img").exists():
+                image = Path(str(rec["checkpoint"]))  # CRIU has begun: it writes the inventory first
+                break
+            time.sleep(0.001)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL and image is not None, "the kill did not land while CRIU dumped"
+        assert _record(root, proc.pid).get("stage") == "started"
+        # runc and CRIU go on without gpusnap: the dump ends (CRIU's stats-dump), runc exits.
+        assert _wait(lambda: (image / "stats-dump").exists(), 120), "the dump did not finish after the kill"
+        assert _wait(lambda: subprocess.run(["pgrep", "-f", str(image)], capture_output=True).returncode != 0, 60)
+        if overlay:
+            assert not (image / "rootfs-upper.tar").exists()  # what gpusnap adds after the dump: not there yet
+        last = _numbers(env, name)[-1]
+        doctor = json.loads(_gs(env, "doctor", "--json").stdout)
+        rows = doctor if isinstance(doctor, list) else doctor.get("checks", [])
+        work_rows = [r for r in rows if r["name"] == "work dirs"]
+        assert any(r["status"] == "warn" and name in r["detail"] and "checkpoint or restore" in r["fix"] for r in work_rows), work_rows
+        ls = _gs(env, "ls", "--json")
+        assert ls.returncode == 0, ls.stderr
+        listed = json.loads(ls.stdout)
+        assert len(listed) == 1, (listed, ls.stderr)
+        stored = listed[0]["ref"]
+        notes = [line for line in ls.stderr.splitlines() if line.startswith("gpusnap:")]
+        assert len(notes) == 1 and f"gpusnap restore {stored}" in notes[0], ls.stderr
+        assert not list((root / "state" / "tmp").glob(f"work-{proc.pid}-*")), "the recovered work dir must go once stored"
+        v = _gs(env, "verify")
+        assert v.returncode == 0, v.stdout + v.stderr
+        restored = name + "-r"
+        r = _gs(env, "restore", stored, "--name", restored)
+        assert r.returncode == 0, r.stderr
+        assert _wait(lambda: any(n > last for n in _numbers(env, restored))), "the restored counter does not go on"
+        after = _numbers(env, restored)
+        assert last + 1 in after, (last, after)
+        held = 1
+    finally:
+        for n in (name, name + "-r"):
+            _gs(env, "delete", n)
+        ledger.record("fault", f"kill -9 `gpusnap checkpoint` while CRIU dumps ({'overlay' if overlay else 'busybox'} root)",
+                      passed=held, detail="runc and CRIU finished without it; doctor showed the work dir; the next run finished the "
+                                          "engine's part, stored it and said so; restored, the counter went on")

@@ -93,6 +93,20 @@ def _owner(base: Path, stage: str) -> tuple[subprocess.Popen[str], Path]:
     return proc, Path(proc.stdout.readline().strip())
 
 
+def test_decide_a_dump_that_finished_after_gpusnap_died(tmp_path: Path) -> None:
+    """CRIU's stats-dump proves the dump succeeded: runc-direct's checkpoint is recovered (its
+    engine finishes it) without asking whether the container runs; other engines' are judged
+    as before."""
+    work, record = _work(tmp_path, 1, stage=STARTED, inventory=True)
+    (Path(record.checkpoint) / workdirs.DUMP_DONE).write_bytes(b"stats")
+    assert decide(record, work, container_running=_never).action == "recover"
+    record.engine = "podman"
+    assert decide(record, work, container_running=lambda r: False).action == "keep"
+    record.engine = "runc-direct"
+    record.leave_running = True  # the container went on running: nothing to recover
+    assert decide(record, work, container_running=_never).action == "remove"
+
+
 def test_sweep_spares_a_live_run_and_recovers_a_killed_one(tmp_path: Path) -> None:
     base = tmp_path / "tmp"
     live, live_work = _owner(base, DESCRIBED)
