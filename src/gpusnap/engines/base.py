@@ -9,6 +9,7 @@ engine's own bookkeeping right (podman's and docker's container lists, runc-dire
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -59,6 +60,10 @@ class RestoreOptions:
     # Filled by engines that run their restore as steps: seconds per step (orchestrate reports
     # them in RestoreOutcome.timings_s as "restore: <step>").
     timings: dict[str, float] | None = None
+    # Set by a restore whose image directory is still being written (its pages files: see
+    # engines/imagedir.py ImageJob): the engine calls it just before CRIU reads the images and
+    # gets the writer's error if it failed. Engines that do not call it are given whole images.
+    images_ready: Callable[[], object] | None = None
 
 
 @dataclass

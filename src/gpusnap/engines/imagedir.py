@@ -24,6 +24,9 @@ towards the disk.
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,3 +118,75 @@ def image_bytes_of(config: dict[str, object]) -> int:
     if isinstance(files, list):
         return sum(int(f.get("size", 0)) for f in files if isinstance(f, dict))
     return 0
+
+
+class ImageJob:
+    """The image directory of a restore, written on a thread of its own in two stages.
+
+    ``write(staged, cancel)`` writes the directory (``api.materialize_checkpoint`` or
+    ``api.fetch_into``): it calls ``staged()`` once every file but the pages files is in place,
+    and stops early (raising) once ``cancel`` is set. A writer that has no stages simply never
+    calls ``staged``: the directory then counts as staged once it is whole. Meanwhile the
+    restore checks the host and prepares the engine (bundle, root filesystem, network), which
+    need only the small files; the engine waits (:meth:`wait`) just before CRIU starts.
+
+    A failure of the writer is raised by :meth:`wait_staged` and :meth:`wait`; the writer has
+    then left nothing at its destination. :meth:`stop` (always called by the restore, success
+    or not) tells the writer to stop and joins it, so the image directory is never removed
+    while a thread still writes into it.
+    """
+
+    def __init__(self, write: Callable[[Callable[[], None], threading.Event], object], name: str = "gpusnap-images") -> None:
+        self._write = write
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._cancel = threading.Event()
+        self.error: BaseException | None = None
+        self.result: object = None
+        self.waited_s = 0.0  # seconds the restore spent in wait() (the pages it did not overlap)
+        self.what = name  # what the writer does, for timings ("materialize", "pull into ...")
+        self.seconds = 0.0  # how long the writer ran, start to end
+        self._started = 0.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "ImageJob":
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.result = self._write(self._staged.set, self._cancel)
+        except BaseException as exc:  # noqa: BLE001 - raised where the restore waits for it
+            self.error = exc
+        finally:
+            self.seconds = time.perf_counter() - self._started
+            self._staged.set()
+            self._done.set()
+
+    @property
+    def failed(self) -> bool:
+        return self._done.is_set() and self.error is not None
+
+    def wait_staged(self) -> None:
+        """Until every file but the pages files is in place; the writer's error, if it failed."""
+        self._staged.wait()
+        if self.error is not None:
+            raise self.error
+
+    def wait(self) -> object:
+        """Until the whole directory is in place; the writer's error, if it failed."""
+        start = time.perf_counter()
+        try:
+            self._done.wait()
+        finally:
+            self.waited_s += time.perf_counter() - start
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def stop(self) -> None:
+        """Stop the writer if it still runs, and wait until it has."""
+        if self._thread.is_alive():
+            self._cancel.set()
+            self._thread.join()

@@ -39,7 +39,7 @@ from gpusnap.engines.base import (
 )
 from gpusnap.engines import imagedir, workdirs
 from gpusnap.engines.registry import detect_form, engine_for_form, find_container, make_engine, read_json_member
-from gpusnap.errors import GpusnapError, MissingDependencyError, NotFoundError, UsageError
+from gpusnap.errors import ExitCode, GpusnapError, MissingDependencyError, NotFoundError, UsageError
 from gpusnap.host.facts import HostFacts, gather, require_compatible
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata, GpuInfo, GpuProcess
 from gpusnap.steps import Step, StepFailed, run_steps
@@ -507,11 +507,19 @@ def restore(
     # while) are gathered beside the reading of the checkpoint; every check that uses them
     # still comes before anything is downloaded or CRIU starts.
     facts_job = _background(lambda: gather(settings))
+    if not path.exists():
+        # gpusnap.packaging (requests, zstandard, cryptography...) takes a while to import the
+        # first time: started now, it loads while the work dirs are swept.
+        _background(_import_packaging, name="gpusnap-import")
     # First, so that a checkpoint a killed run left is in the store before this looks there.
     recover_interrupted(settings, notice or progress)
     claimed = workdirs.claim(settings.state_dir / "tmp")
     work = claimed.__enter__()
     memory: ExitStack = ExitStack()  # the in-memory work dir, when the image goes there (_image_dir)
+    # The image directory is written on a thread of its own (engines/imagedir.py ImageJob):
+    # every file but the pages files first, then the pages files while the host is checked and
+    # the engine prepares the container; the engine waits for them just before CRIU starts.
+    images: imagedir.ImageJob | None = None
     clock.lap("sweep the work dirs")
     try:
         if path.exists():
@@ -526,7 +534,8 @@ def restore(
                 raise NotFoundError(f"{source} is neither a file nor a reference like host/repo:tag; check the path or reference")
             api = packaging_api()
             remote = None
-            if not _in_store(api, settings, source):
+            in_store = _in_store(api, settings, source)
+            if not in_store:
                 # Refuse before anything is downloaded or the store changes: the artifact's
                 # config (its metadata) is a small blob read straight from the registry.
                 progress(f"checking {source}")
@@ -544,13 +553,20 @@ def restore(
                 # A directory checkpoint straight from the registry into the image directory:
                 # each byte written once, verified as it lands (packaging.fetch).
                 form = str(remote.config["form"])
-                images = _image_dir(settings, work, imagedir.image_bytes_of(remote.config), progress, memory)
+                local = _image_dir(settings, work, imagedir.image_bytes_of(remote.config), progress, memory)
                 progress(f"pulling {source} into the checkpoint directory")
-                with _transfer(progress, f"pull {source}") as bar:
-                    local = Path(api.fetch_into(settings.store_dir, remote, images, progress=bar).dest)
-                clock.lap("pull into the image directory")
+                fetch_into, rc, bars = api.fetch_into, remote, _transfer(progress, f"pull {source}")
+
+                def fetch(staged: Callable[[], None], cancel: threading.Event) -> Any:
+                    with bars as bar:  # the progress bar ends with the download
+                        return fetch_into(settings.store_dir, rc, local, progress=bar, staged=staged, cancel=cancel)
+
+                images = imagedir.ImageJob(fetch, name="gpusnap-fetch").start()
+                images.what = "pull into the image directory"
+                images.wait_staged()
+                clock.lap(f"{images.what} (all but the pages files)")
             else:
-                ref = _local_or_pull(api, settings, source, insecure, progress, **keys)
+                ref = source if in_store else _local_or_pull(api, settings, source, insecure, progress, **keys)
                 clock.lap("find in the store (or pull into it)")
                 info = api.inspect(settings.store_dir, ref, file_rows=False, **keys)
                 if decryption and not any(str(layer.media_type).endswith("+encrypted") for layer in info.layers):
@@ -560,11 +576,15 @@ def restore(
                 clock.lap("read the checkpoint's metadata")
                 # Materializing writes only this run's private work dir (removed below whatever
                 # happens), so it goes on while the host's facts are still being gathered; the
-                # host check still comes before CRIU starts.
-                images = _image_dir(settings, work, int((info.sizes or {}).get("total", 0)), progress, memory)
+                # host check still comes before the engine prepares anything or CRIU starts.
+                local = _image_dir(settings, work, int((info.sizes or {}).get("total", 0)), progress, memory)
                 progress(f"unpacking {source}")
-                local = Path(api.materialize_checkpoint(settings.store_dir, ref, images, form=form, **keys))
-                clock.lap("materialize")
+                materialize = api.materialize_checkpoint
+                images = imagedir.ImageJob(lambda staged, cancel: materialize(settings.store_dir, ref, local, form=form, staged=staged,
+                                                                              cancel=cancel, **keys), name="gpusnap-materialize").start()
+                images.what = "materialize"
+                images.wait_staged()
+                clock.lap(f"{images.what} (all but the pages files)")
                 require_compatible(meta, clock.wait("check the host", facts_job), what=source)
         eng = engine_for_form(form, settings) if engine == "auto" else make_engine(engine, settings)
         if eng.form != form:
@@ -576,15 +596,46 @@ def restore(
         clock.lap("prepare the engine")
         engine_steps: dict[str, float] = {}
         opts = RestoreOptions(name=name, tcp_established=tcp_established, ip=ip, timings=engine_steps)
-        records = run_steps([Step("restore", lambda: eng.restore(local, opts))])
+        if images is not None:
+            if getattr(type(eng), "OVERLAPS_IMAGES", False):
+                opts.images_ready = images.wait  # the engine prepares the container meanwhile
+            else:
+                images.wait()
+                clock.lap(WAIT_IMAGES)
+        try:
+            records = run_steps([Step("restore", lambda: eng.restore(local, opts))])
+        except StepFailed as exc:
+            # The images failed while the engine waited for them: the engine undid its
+            # preparation; the user gets the writer's own error, as when nothing overlapped.
+            if images is not None and images.failed and exc.exit_code != ExitCode.ROLLBACK_FAILED:
+                raise images.error from None  # type: ignore[misc]
+            raise
         container = records[0].result
-        return RestoreOutcome(container=container, engine=eng.name, source=source, form=form,
-                              timings_s={**clock.laps, **{r.name: round(r.seconds, 3) for r in records},
-                                         **{f"restore: {k}": v for k, v in engine_steps.items()}})
+        timings = {**clock.laps, **{r.name: round(r.seconds, 3) for r in records},
+                   **{f"restore: {k}": v for k, v in engine_steps.items()}}
+        if images is not None:
+            # Not a lap: how long the image directory took on its own thread, overlapped with
+            # the laps above (bench/e2e.py shows it beside them, not in their sum).
+            timings[f"{BACKGROUND}{images.what}"] = round(images.seconds, 3)
+        return RestoreOutcome(container=container, engine=eng.name, source=source, form=form, timings_s=timings)
     finally:
+        if images is not None:
+            images.stop()  # never remove the image directory under a thread still writing it
         memory.close()
         workdirs.release(work)
         claimed.__exit__(None, None, None)
+
+
+WAIT_IMAGES = "wait for the checkpoint images"
+BACKGROUND = "background: "  # timings_s keys that are not laps (work overlapped with them)
+
+
+def _import_packaging() -> None:
+    try:
+        import gpusnap.packaging.api  # noqa: F401
+        import gpusnap.packaging.fetch  # noqa: F401
+    except Exception:  # noqa: BLE001 - packaging_api() says what is missing, where it is needed
+        pass
 
 
 def _image_dir(settings: Settings, work: Path, image_bytes: int, progress: Progress, memory: ExitStack) -> Path:
@@ -628,10 +679,10 @@ class _StageClock:
         return result
 
 
-def _background(fn: Callable[[], HostFacts]) -> "Future[HostFacts]":
+def _background(fn: Callable[[], Any], name: str = "gpusnap-host-facts") -> "Future[Any]":
     """Run ``fn`` on a thread of its own (a daemon: an exception is raised where the result is
     read, and a failure elsewhere does not wait for it)."""
-    fut: Future[HostFacts] = Future()
+    fut: Future[Any] = Future()
 
     def run() -> None:
         try:
@@ -639,7 +690,7 @@ def _background(fn: Callable[[], HostFacts]) -> "Future[HostFacts]":
         except BaseException as exc:  # noqa: BLE001 - handed to the reader of the result
             fut.set_exception(exc)
 
-    threading.Thread(target=run, name="gpusnap-host-facts", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return fut
 
 

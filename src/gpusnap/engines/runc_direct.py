@@ -26,6 +26,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ BUSYBOX_ROOTFS = "busybox"  # the default root filesystem: a static busybox tree
 OVERLAY_ROOTFS = "overlay"  # an overlay over RuncDirectRecord.overlay_lower (see mount_overlay)
 UPPER_ARCHIVE = "rootfs-upper.tar"  # an overlay container's writable layer, in its checkpoint
 NETWORK_MODES = ("none", "bridge")
+WAIT_IMAGES = "wait for the checkpoint images"  # the restore step that waits for the pages files (RestoreOptions.images_ready)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -262,6 +264,9 @@ class RuncDirectEngine(EngineBase):
     settings: Settings
     name: str = NAME
     form: str = FORM_CRIU_DIR
+    # restore() waits for RestoreOptions.images_ready itself, after preparing the bundle, root
+    # filesystem and network: a restore writes the pages files meanwhile (orchestrate.restore).
+    OVERLAPS_IMAGES = True
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -486,8 +491,11 @@ class RuncDirectEngine(EngineBase):
 
     def _start(
         self, rec: RuncDirectRecord, restore_from: Path | None, *, skip_lock: bool, spec: dict[str, Any] | None = None, tcp_established: bool = False,
-        timings: dict[str, float] | None = None,
+        timings: dict[str, float] | None = None, images_ready: Callable[[], object] | None = None,
     ) -> None:
+        """``images_ready`` (a restore whose pages files are still being written): waited for
+        after everything else is prepared, just before runc starts CRIU; its failure undoes
+        the preparation like any failed step."""
         bundle = self.container_dir(rec.name) / "bundle"
         pipes: dict[str, int] = {}
 
@@ -552,8 +560,10 @@ class RuncDirectEngine(EngineBase):
         steps = [
             *self._prepare_bundle(rec, spec, _upper_archive(restore_from), skip_lock),
             Step("start the log copier", spawn_logcopy, stop_logcopy),
-            Step("restore the container" if restore_from else "start the container", start, undo_start),
         ]
+        if restore_from is not None and images_ready is not None:
+            steps.append(Step(WAIT_IMAGES, images_ready))
+        steps.append(Step("restore the container" if restore_from else "start the container", start, undo_start))
         if restore_from is not None and rec.network != "none":
             # The recreated network stays unplugged until the sockets are back (see activate).
             steps.append(Step("connect the network", lambda: _network_manager(self.settings).activate(rec.name)))
@@ -672,7 +682,7 @@ class RuncDirectEngine(EngineBase):
         skip_lock = self._lock_skippable(rec)
         self._require_network_lock(rec, skip_lock, "restore")
         self._start(rec, restore_from=source, skip_lock=skip_lock, spec=saved["spec"], tcp_established=opts.tcp_established,
-                    timings=opts.timings)
+                    timings=opts.timings, images_ready=opts.images_ready)
         info = self.get(name)
         assert info is not None
         return info

@@ -25,6 +25,7 @@ import re
 import shutil
 import tarfile
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -685,10 +686,18 @@ def _iter_pieced_files(store: OciStore, art: LoadedArtifact, prefix: str | None)
         yield ti, io.BufferedReader(_PiecedFileReader(store, todo), 1 << 20)
 
 
-def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | None, dest: Path, workers: int | None = None) -> Path:
+def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | None, dest: Path, workers: int | None = None, *,
+                           staged: Callable[[], None] | None = None, cancel: threading.Event | None = None) -> Path:
     """Materialize a v2 artifact as a directory: tar layers extracted, then every pack blob
     read once, on a thread pool, its pieces verified and pwritten at their offsets (zero runs
-    stay holes). Built beside ``dest`` and renamed into place."""
+    stay holes). Built beside ``dest`` and renamed into place.
+
+    ``staged`` (a restore that overlaps its own preparation with the pages): the pack blobs
+    holding any byte of a file other than the pages files come first; once those files are
+    complete the directory is renamed into place and ``staged()`` is called, then the pages
+    files are written in place. ``cancel``: set by the caller to stop the writers early (raises
+    :class:`layout.Cancelled`). Either way a failure leaves nothing at ``dest``.
+    """
     from concurrent.futures import ThreadPoolExecutor
 
     layout = lay.layout_of(store, art)
@@ -696,7 +705,9 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
         raise UsageError(f"{dest} already exists and is not an empty directory; choose a new path")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
+    root = tmp  # where the tree is: ``dest`` once renamed (early when staged)
     fds: dict[str, int] = {}
+    stop = cancel or threading.Event()
     try:
         for d in layout.tar_layers:
             with _layer_stream(store, d) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
@@ -706,7 +717,7 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
                         continue
                     m.name = name
                     _write_entry(tmp, m, tar.extractfile(m) if m.isreg() else None)
-        infos: list[tarfile.TarInfo] = []
+        infos: dict[str, tarfile.TarInfo] = {}
         for f in layout.files:
             name = _target_name(f.path, prefix)
             if name is None:
@@ -717,35 +728,60 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             fds[f.path] = fd
             os.ftruncate(fd, f.size)
-            infos.append(ti)
+            infos[f.path] = ti
 
         def place(plan: lay.BlobPlan) -> int:
+            if stop.is_set():
+                raise lay.Cancelled()
             wanted = [p for p in plan.placements if p.path in fds]
             if not wanted:
                 return 0
             with store.open_blob(plan.descriptor.digest) as blob:
                 return lay.place_stream(lay.BlobPlan(plan.descriptor, wanted), blob, fds.__getitem__)
 
+        def finish(paths: list[str]) -> None:
+            for p in paths:
+                os.close(fds.pop(p))
+                ti = infos[p]
+                path = root / ti.name
+                os.chmod(path, ti.mode & 0o777)
+                if os.geteuid() == 0:
+                    os.chown(path, ti.uid, ti.gid)
+                os.utime(path, (ti.mtime, ti.mtime))
+
+        late = {f.path for f in layout.files if f.role == lay.STAGED_ROLE and f.path in fds} if staged is not None else set()
+        first, rest = lay.split_stages(layout.blobs, late)
         n = max(1, workers or os.cpu_count() or 1)
         with ThreadPoolExecutor(n, thread_name_prefix="gpusnap-place") as pool:
-            for _ in pool.map(place, layout.blobs):
-                pass
-        for fd in fds.values():
-            os.close(fd)
-        fds = {}
-        for ti in infos:
-            path = tmp / ti.name
-            os.chmod(path, ti.mode & 0o777)
-            if os.geteuid() == 0:
-                os.chown(path, ti.uid, ti.gid)
-            os.utime(path, (ti.mtime, ti.mtime))
-        if dest.exists():
-            dest.rmdir()
-        os.replace(tmp, dest)
+            try:
+                early = [pool.submit(place, b) for b in first]
+                later = [pool.submit(place, b) for b in rest]  # queued behind the first stage
+                for fut in early:
+                    fut.result()
+                if staged is not None:
+                    finish([p for p in infos if p not in late])
+                    if dest.exists():
+                        dest.rmdir()
+                    os.replace(tmp, dest)
+                    root = dest
+                    staged()
+                for fut in later:
+                    fut.result()
+            except BaseException:
+                stop.set()  # the queued blobs are skipped, the running ones end
+                raise
+        if stop.is_set():
+            raise lay.Cancelled()
+        finish([p for p in infos if p in fds])
+        if root is tmp:
+            if dest.exists():
+                dest.rmdir()
+            os.replace(tmp, dest)
+            root = dest
     except BaseException as exc:
         for fd in fds.values():
             os.close(fd)
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise GpusnapError(f"no space left to unpack the checkpoint into {dest.parent} ({exc.strerror}); free space there "
                                "(the gpusnap state directory), then try again") from None

@@ -433,6 +433,8 @@ class _Fetch:
         ``finish``): the ``wanted`` bytes from blob offset ``start``, resuming with Range after a
         broken connection, then let the sink verify them."""
         client = self.client
+        if self.abort.is_set():
+            raise _Aborted()
         buf = bytearray(FETCH_RECV)
         view = memoryview(buf)
         failures = restarts = 0
@@ -481,12 +483,19 @@ class _Fetch:
             self.received += n
 
 
-def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: Progress | None = None) -> FetchResult:
+def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: Progress | None = None,
+               staged: Callable[[], None] | None = None, cancel: threading.Event | None = None) -> FetchResult:
     """Write the checkpoint ``rc`` as its image directory ``dest``, straight from the registry.
 
     ``dest`` must not exist or be empty. Every blob and piece is verified; on any failure
     nothing is left at ``dest`` and the store is as it was. On success the store records the
     manifest and config and where the blobs are (no blob data: see docs/artifact-format.md).
+
+    ``staged`` (a restore overlapping its own preparation with the download): the tar layers and
+    the blobs holding any byte of a file other than the pages files are fetched first; once
+    they are all in, the directory is renamed into place and ``staged()`` is called while the
+    pages files go on arriving (written in place). ``cancel``: set by the caller to stop the
+    transfers (raises :class:`layout.Cancelled`). Either way a failure leaves nothing at ``dest``.
     """
     started = time.monotonic()
     if not rc.direct:
@@ -507,12 +516,35 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
     prog = progress or NullProgress()
     prog.add_total(sum(d.size for d in pl.tar_layers) + sum(blob_span(b)[1] - blob_span(b)[0] for b in pl.blobs))
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
+    root = tmp  # where the tree is: ``dest`` once renamed (early when staged)
     fds: dict[str, int] = {}
     fetch = _Fetch(rc, prog)
+    if cancel is not None:
+        fetch.abort = cancel  # the caller's stop and a failed transfer's stop are one
     try:
         for f in pl.files:
             fds[f.path] = _create_sparse(tmp, f.path, f.size)
         chunk_names = set(fds)
+        late = {f.path for f in pl.files if f.role == lay.STAGED_ROLE} if staged is not None else set()
+        first, rest = lay.split_stages(pl.blobs, late)
+
+        def finish(files: list[lay.FileEntry]) -> None:
+            for f in files:
+                fd = fds.pop(f.path)
+                try:
+                    _set_attributes(fd, f)
+                finally:
+                    os.close(fd)
+
+        def in_place() -> None:
+            nonlocal root
+            finish([f for f in pl.files if f.path not in late])
+            if dest.exists():
+                dest.rmdir()
+            os.replace(tmp, dest)
+            root = dest
+            assert staged is not None
+            staged()
 
         def tar_job(desc: Descriptor) -> None:
             sink = _TempSink(desc, dest.parent)
@@ -526,43 +558,59 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
             fetch.stream(bp.descriptor, _BlobRouter(bp, fds))
 
         jobs: list[Callable[[], None]] = [lambda d=d: tar_job(d) for d in pl.tar_layers]
-        jobs += [lambda b=b: blob_job(b) for b in pl.blobs]
-        _run_all(jobs, fetch_workers(rc.client.workers), fetch.abort)
-        for f in pl.files:
-            fd = fds.pop(f.path)
-            try:
-                _set_attributes(fd, f)
-            finally:
-                os.close(fd)
-        if dest.exists():
-            dest.rmdir()
-        os.replace(tmp, dest)
+        jobs += [lambda b=b: blob_job(b) for b in first]
+        stage_one = len(jobs)
+        jobs += [lambda b=b: blob_job(b) for b in rest]
+        _run_all(jobs, fetch_workers(rc.client.workers), fetch.abort, (stage_one, in_place) if staged is not None else None)
+        if cancel is not None and cancel.is_set():
+            raise lay.Cancelled()
+        finish([f for f in pl.files if f.path in fds])
+        if root is tmp:
+            if dest.exists():
+                dest.rmdir()
+            os.replace(tmp, dest)
+            root = dest
     except BaseException:
         for fd in fds.values():
             os.close(fd)
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
         raise
     _record(store, rc, tables)
     return FetchResult(dest, rc.digest, str(config.get("form")), fetch.received, len(pl.tar_layers) + len(pl.blobs),
                        time.monotonic() - started)
 
 
-def _run_all(jobs: list[Callable[[], None]], workers: int, abort: threading.Event) -> None:
-    """Run ``jobs`` on ``workers`` threads; the first failure stops the others and is raised."""
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+def _run_all(jobs: list[Callable[[], None]], workers: int, abort: threading.Event,
+             after: tuple[int, Callable[[], None]] | None = None) -> None:
+    """Run ``jobs`` on ``workers`` threads; the first failure stops the others and is raised.
+    ``after`` = (n, fn): ``fn()`` runs on this thread once the first ``n`` jobs succeeded, while
+    the others go on (a failure of ``fn`` stops them like a failed job)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs) or 1))) as pool:
         futures = [pool.submit(j) for j in jobs]
         first: BaseException | None = None
-        for f in futures:
+
+        def fail(exc: BaseException) -> None:
+            nonlocal first
+            if first is None:
+                first = exc
+                abort.set()
+                for g in futures:
+                    g.cancel()
+
+        for i, f in enumerate(futures + [None]):  # type: ignore[operator]
+            if after is not None and i == after[0] and first is None and not abort.is_set():
+                try:
+                    after[1]()
+                except BaseException as exc:  # noqa: BLE001 - re-raised below, once the others stopped
+                    fail(exc)
+            if f is None:
+                break
             try:
                 f.result()
             except _Aborted:
                 continue
             except BaseException as exc:  # noqa: BLE001 - re-raised below, once the others stopped
-                if first is None:
-                    first = exc
-                    abort.set()
-                    for g in futures:
-                        g.cancel()
+                fail(exc)
         if first is not None:
             raise first
 

@@ -329,3 +329,24 @@ def place_stream(plan: BlobPlan, stream: Any, fd_for: Callable[[str], int]) -> i
         pwrite_all(fd_for(p.path), raw, p.file_offset)
         written += p.raw_length
     return written
+
+
+# ---- writing a tree in two stages (a restore overlaps the second with its own preparation) ------
+STAGED_ROLE = "pages"  # what is written last: CRIU's memory pages, the bulk of a checkpoint
+
+
+class Cancelled(Exception):
+    """The writer of a directory was told to stop (the restore it serves failed elsewhere)."""
+
+    def __str__(self) -> str:
+        return "stopped: the restore failed elsewhere"
+
+
+def split_stages(blobs: list[BlobPlan], late: set[str]) -> tuple[list[BlobPlan], list[BlobPlan]]:
+    """The blobs in two groups: those holding any byte of a file not in ``late`` (the first
+    stage, everything a restore needs before CRIU starts), then those holding only bytes of
+    ``late`` files (the pages). A pack that mixes both is placed whole in the first stage, so no
+    blob is read twice; each group keeps its order."""
+    first = [b for b in blobs if any(p.path not in late for p in b.placements)]
+    rest = [b for b in blobs if all(p.path in late for p in b.placements)]
+    return first, rest

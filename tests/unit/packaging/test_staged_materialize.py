@@ -1,0 +1,129 @@
+"""A restore's image directory in two stages: every file but the pages files first, then the
+pages files (artifact.write_directory_pieced with ``staged``), and a stop on request."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from gpusnap.errors import IntegrityError
+from gpusnap.packaging import api
+from gpusnap.packaging import artifact as fmt
+from gpusnap.packaging import layout as lay
+from gpusnap.packaging.pack import PAGE
+from gpusnap.packaging.pagemap import PE_PRESENT
+from gpusnap.packaging.store import OciStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: criu_images
+from criu_images import pagemap as _pagemap  # noqa: E402
+
+
+def _checkpoint(path: Path) -> Path:
+    """pages-1.img of 6 MiB, a 3 MiB rootfs-upper.tar (chunked: LARGE_FILE is lowered), small files."""
+    rng = random.Random(7)
+    path.mkdir(parents=True)
+    ranges = [(0x10000000, rng.randbytes(3 << 20)), (0x20000000, bytes(1 << 20)), (0x30000000, rng.randbytes(2 << 20))]
+    (path / "pages-1.img").write_bytes(b"".join(d for _, d in ranges))
+    (path / "pagemap-1.img").write_bytes(_pagemap(1, [(va, len(d) // PAGE, PE_PRESENT, False) for va, d in ranges]))
+    (path / "rootfs-upper.tar").write_bytes(rng.randbytes(3 << 20))
+    (path / "runc-direct.json").write_text('{"record": {}}')
+    (path / "pstree.img").write_bytes(b"")
+    (path / "core-1.img").write_bytes(b"core")
+    return path
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    monkeypatch.setattr(fmt, "LARGE_FILE", 1 << 20)
+    src = _checkpoint(tmp_path / "src")
+    api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/staged")
+    return src, tmp_path / "s"
+
+
+def test_staged_puts_every_other_file_in_place_before_the_pages(stored: tuple[Path, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    src, store = stored
+    want = _files(src)
+    dest = tmp_path / "out"
+    gate = threading.Event()
+    seen: dict[str, bytes] = {}
+    placed = lay.place_stream
+
+    def slow_pages(plan: lay.BlobPlan, stream: object, fd_for: object) -> int:
+        if all(p.path.startswith("pages-") for p in plan.placements):
+            assert gate.wait(10), "the pages were placed before staged() was called"
+        return placed(plan, stream, fd_for)  # type: ignore[arg-type]
+
+    def staged() -> None:
+        assert dest.is_dir()
+        seen.update({k: v for k, v in _files(dest).items() if not k.startswith("pages-")})
+        gate.set()
+
+    monkeypatch.setattr(lay, "place_stream", slow_pages)
+    out = api.materialize_checkpoint(store, "gs-pkg/staged", dest, form="criu-dir", staged=staged)
+    assert gate.is_set()
+    assert seen == {k: v for k, v in want.items() if not k.startswith("pages-")}
+    assert "rootfs-upper.tar" in seen  # a chunked file, yet in the first stage
+    assert _files(out) == want
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_a_pages_failure_after_staged_leaves_nothing(stored: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, store = stored
+    placed = lay.place_stream
+
+    def bad_pages(plan: lay.BlobPlan, stream: object, fd_for: object) -> int:
+        if all(p.path.startswith("pages-") for p in plan.placements):
+            raise IntegrityError("pages-1.img at 0: piece digest mismatch")
+        return placed(plan, stream, fd_for)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lay, "place_stream", bad_pages)
+    calls: list[bool] = []
+    with pytest.raises(IntegrityError, match="digest mismatch"):
+        api.materialize_checkpoint(store, "gs-pkg/staged", tmp_path / "out", form="criu-dir", staged=lambda: calls.append(True))
+    assert calls == [True]  # it was renamed into place, then removed again
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_cancel_stops_the_writers_and_leaves_nothing(stored: tuple[Path, Path], tmp_path: Path) -> None:
+    _, store = stored
+    cancel = threading.Event()
+    with pytest.raises(lay.Cancelled):
+        api.materialize_checkpoint(store, "gs-pkg/staged", tmp_path / "out", form="criu-dir", staged=cancel.set, cancel=cancel)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_without_staged_the_directory_appears_whole(stored: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, store = stored
+    placed = lay.place_stream
+    dest = tmp_path / "out"
+
+    def check(plan: lay.BlobPlan, stream: object, fd_for: object) -> int:
+        assert not dest.exists()
+        return placed(plan, stream, fd_for)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lay, "place_stream", check)
+    assert _files(api.materialize_checkpoint(store, "gs-pkg/staged", dest, form="criu-dir")) == _files(src)
+
+
+def test_split_stages_keeps_mixed_packs_first() -> None:
+    def pl(path: str) -> lay.Placement:
+        return lay.Placement(path, 0, 0, 1, 1, False, None)
+
+    from gpusnap.packaging.store import Descriptor
+
+    d = Descriptor(lay.MEDIA_PACK, "sha256:" + "0" * 64, 1)
+    mixed, pages, other = (lay.BlobPlan(d, [pl("pages-1.img"), pl("x.tar")]), lay.BlobPlan(d, [pl("pages-1.img")]),
+                           lay.BlobPlan(d, [pl("x.tar")]))
+    first, rest = lay.split_stages([pages, mixed, other], {"pages-1.img"})
+    assert first == [mixed, other] and rest == [pages]
+    assert lay.split_stages([pages, mixed], set()) == ([pages, mixed], [])
