@@ -859,11 +859,15 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             """The command's own stage timings (orchestrate.restore), then what follows its restore
             step: to the workload's first line, and the command's clean-up after it."""
             for stage, secs in timings.items():
-                rate = size if stage in ("materialize", "pull into the image directory") else 0
+                rate = size if stage in ("materialize", "pull into the image directory", "background: materialize",
+                                         "background: pull into the image directory") else 0
                 sub = stage.startswith("restore: ")  # the engine's own steps, inside "restore"
+                if stage.startswith("background: "):  # not a lap: overlapped with the stages around it
+                    row(f"  beside them, on its own thread: {stage[len('background: '):]}", secs, rate_bytes=rate)
+                    continue
                 row(f"    {stage[len('restore: '):]}" if sub else f"  of which {stage}", secs, rate_bytes=rate)
             if timings:
-                top = sum(v for k, v in timings.items() if not k.startswith("restore: "))
+                top = sum(v for k, v in timings.items() if not k.startswith(("restore: ", "background: ")))
                 row("  command total minus its stages (start-up, clean-up)", cmd - top, rate_bytes=0)
                 row("  first step after the command's start", first_step, rate_bytes=0)
 
