@@ -510,7 +510,7 @@ def restore(
     if not path.exists():
         # gpusnap.packaging (requests, zstandard, cryptography...) takes a while to import the
         # first time: started now, it loads while the work dirs are swept.
-        _background(_import_packaging, name="gpusnap-import")
+        _background(lambda: _import_packaging(settings, source), name="gpusnap-import")
     # First, so that a checkpoint a killed run left is in the store before this looks there.
     recover_interrupted(settings, notice or progress)
     claimed = workdirs.claim(settings.state_dir / "tmp")
@@ -630,10 +630,13 @@ WAIT_IMAGES = "wait for the checkpoint images"
 BACKGROUND = "background: "  # timings_s keys that are not laps (work overlapped with them)
 
 
-def _import_packaging() -> None:
+def _import_packaging(settings: Settings, source: str) -> None:
+    """gpusnap.packaging, and its registry client (requests) when ``source`` is not in the store."""
     try:
-        import gpusnap.packaging.api  # noqa: F401
-        import gpusnap.packaging.fetch  # noqa: F401
+        from gpusnap.packaging import api
+
+        if not api.has_checkpoint(settings.store_dir, source):
+            import gpusnap.packaging.fetch  # noqa: F401
     except Exception:  # noqa: BLE001 - packaging_api() says what is missing, where it is needed
         pass
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import zstandard
 
@@ -38,10 +38,12 @@ from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, UsageErr
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata
 from gpusnap.packaging import chunker, pstree
 from gpusnap.packaging import layout as lay
-from gpusnap.packaging import pack as packing
 from gpusnap.packaging.pagemap import PAGEMAP_NAME, ranges_of
 from gpusnap.packaging.safetar import LinkTracker, check_member
 from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, BlobWriter, Descriptor, OciStore, sha256_digest
+
+if TYPE_CHECKING:
+    from gpusnap.packaging import pack as packing  # imported where a store needs it: numpy is slow to load, a restore never does
 
 FORMS = ("criu-dir", "podman-archive", "docker-dir")
 
@@ -253,7 +255,7 @@ def build_artifact(
     parent: str | None,
     params: chunker.ChunkParams = chunker.ChunkParams(),
     version: int = CONFIG_SCHEMA_VERSION,
-    pack_params: packing.PackParams = packing.PackParams(),
+    pack_params: packing.PackParams | None = None,
     on_blob: Callable[[Descriptor], None] | None = None,
     workers: int | None = None,
 ) -> BuildResult:
@@ -266,6 +268,9 @@ def build_artifact(
     """
     if version not in READABLE_SCHEMAS:
         raise UsageError(f"artifact format version {version} is unknown; use 1 or 2")
+    from gpusnap.packaging import pack as packing
+
+    pack_params = pack_params or packing.PackParams()
     criu = _LayerSink(store, MEDIA_CRIU, compress)
     engine: _LayerSink | None = None
     chunk_layers: list[Descriptor] = []

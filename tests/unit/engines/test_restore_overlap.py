@@ -110,7 +110,7 @@ def _restore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, api: FakeApi, over
     monkeypatch.setattr(orchestrate, "gather", lambda settings, **kw: SimpleNamespace())
     monkeypatch.setattr(orchestrate, "require_compatible", lambda *a, **kw: None)
     monkeypatch.setattr(orchestrate, "engine_for_form", lambda form, settings: eng)
-    monkeypatch.setattr(orchestrate, "_import_packaging", lambda: None)
+    monkeypatch.setattr(orchestrate, "_import_packaging", lambda *a: None)
     settings = _settings(tmp_path)
     (settings.store_dir).mkdir(parents=True)
     (settings.store_dir / "index.json").write_text("{}")
