@@ -2,7 +2,7 @@
 """The read side of the data path, without containers: materialize a stored checkpoint into an
 image directory, and fetch one from a real local registry into an image directory.
 
-    .venv/bin/python bench/restore_path.py --gib 3 [--dest /dev/shm/x] [--registry]
+    .venv/bin/python bench/restore_path.py --gib 3 [--dest /dev/shm/x] [--registry] [--upper-mib 256 --staged]
 
 Builds a synthetic CRIU-like directory (pages-1.img: random pages, zero runs, a constant run,
 with its pagemap-1.img) of ``--gib`` GiB, stores it (``store_checkpoint``), then times
@@ -37,8 +37,10 @@ MIB = 1 << 20
 
 
 
-def make_checkpoint(path: Path, gib: float, seed: int = 1) -> int:
-    """Random pages (90 %), zero runs (5 %) and a constant run (5 %), in 64 MiB mappings."""
+def make_checkpoint(path: Path, gib: float, seed: int = 1, upper_mib: int = 0) -> int:
+    """Random pages (90 %), zero runs (5 %) and a constant run (5 %), in 64 MiB mappings; with
+    ``upper_mib``, a random rootfs-upper.tar of that size (an overlay container's writable
+    layer: chunked like the pages when large, but needed before CRIU starts)."""
     path.mkdir(parents=True)
     rng = random.Random(seed)
     total = int(gib * (1 << 30)) // (64 * MIB) * (64 * MIB)
@@ -64,7 +66,11 @@ def make_checkpoint(path: Path, gib: float, seed: int = 1) -> int:
     (path / "pstree.img").write_bytes(b"pstree")
     (path / "core-1.img").write_bytes(b"core" * 1000)
     (path / "mm-1.img").write_bytes(rng.randbytes(300_000))
-    return total
+    if upper_mib:
+        with open(path / "rootfs-upper.tar", "wb") as out:
+            for _ in range(upper_mib):
+                out.write(rng.randbytes(MIB))
+    return total + upper_mib * MIB
 
 
 def _child(stage: str, args: dict) -> None:
@@ -73,15 +79,20 @@ def _child(stage: str, args: dict) -> None:
 
     t = time.perf_counter()
     out: dict = {}
+    # As a restore writes it (orchestrate.restore): every file but the pages first, then the
+    # pages; "staged_s" is when the first stage was in place (the engine starts preparing then).
+    staged = (lambda: out.setdefault("staged_s", time.perf_counter() - t)) if args.get("staged") else None
     if stage == "materialize":
-        api.materialize_checkpoint(Path(args["store"]), args["ref"], Path(args["dest"]), form="criu-dir")
+        kw = {"staged": staged} if staged else {}
+        api.materialize_checkpoint(Path(args["store"]), args["ref"], Path(args["dest"]), form="criu-dir", **kw)
     elif stage == "fetch":
         from gpusnap.packaging import fetch
         from gpusnap.packaging.store import OciStore
 
         rc = fetch.open_remote(args["remote"], insecure=True)
         assert rc.direct, "not fetchable directly"
-        fetch.fetch_into(OciStore(Path(args["store"])), rc, Path(args["dest"]))
+        kw = {"staged": staged} if staged else {}
+        fetch.fetch_into(OciStore(Path(args["store"])), rc, Path(args["dest"]), **kw)
     elif stage == "store":
         api.store_checkpoint(Path(args["store"]), Path(args["src"]), form="criu-dir", ref=args["ref"])
     elif stage == "push":
@@ -112,6 +123,10 @@ def run(stage: str, **kw: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def _staged(r: dict) -> str:
+    return f", all but the pages in place after {r['staged_s']:.2f} s" if "staged_s" in r else ""
+
+
 def drop(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
@@ -123,6 +138,9 @@ def main() -> int:
     ap.add_argument("--dest", type=Path, default=Path("/dev/shm/gpusnap-restore-bench"), help="where images are written")
     ap.add_argument("--registry", action="store_true", help="also fetch from a local docker-registry (its storage on --work)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--upper-mib", type=int, default=0, help="also a random rootfs-upper.tar of this size (an overlay container's)")
+    ap.add_argument("--staged", action="store_true", help="write as a restore does: all but the pages, then the pages (prints when "
+                    "the first stage was in place)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("child_args", nargs="?", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -134,7 +152,7 @@ def main() -> int:
     a.work.mkdir(parents=True)
     a.dest.mkdir(parents=True)
     src, store = a.work / "src", a.work / "store"
-    size = make_checkpoint(src, a.gib)
+    size = make_checkpoint(src, a.gib, upper_mib=a.upper_mib)
     gb = size / 1e9
     r = run("store", store=str(store), src=str(src), ref="bench/ck:1")
     print(f"store {gb:.2f} GB: {r['seconds']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
@@ -142,9 +160,10 @@ def main() -> int:
     res: dict = {"gb": gb, "materialize": [], "fetch": []}
     for i in range(a.rounds):
         dest = a.dest / f"m{i}"
-        r = run("materialize", store=str(store), ref="bench/ck:1", dest=str(dest))
+        r = run("materialize", store=str(store), ref="bench/ck:1", dest=str(dest), staged=a.staged)
         res["materialize"].append(r)
-        print(f"materialize -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s), CPU {r['cpu_s']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
+        print(f"materialize -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s){_staged(r)}, CPU {r['cpu_s']:.2f} s, "
+              f"peak RSS {r['rss_mib']:.0f} MiB", flush=True)
         drop(dest)
     if a.registry:
         sys.path.insert(0, str(REPO / "tests"))
@@ -157,9 +176,10 @@ def main() -> int:
             for i in range(a.rounds):
                 empty = Path(tempfile.mkdtemp(dir=a.work, prefix="empty-store-"))
                 dest = a.dest / f"f{i}"
-                r = run("fetch", store=str(empty), remote=remote, dest=str(dest))
+                r = run("fetch", store=str(empty), remote=remote, dest=str(dest), staged=a.staged)
                 res["fetch"].append(r)
-                print(f"fetch -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s), CPU {r['cpu_s']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
+                print(f"fetch -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s){_staged(r)}, CPU {r['cpu_s']:.2f} s, "
+                      f"peak RSS {r['rss_mib']:.0f} MiB", flush=True)
                 drop(dest)
                 drop(empty)
     print(json.dumps(res))

@@ -147,6 +147,7 @@ class ImageJob:
         self.what = name  # what the writer does, for timings ("materialize", "pull into ...")
         self.seconds = 0.0  # how long the writer ran, start to end
         self._started = 0.0
+        self._told_to_stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> "ImageJob":
@@ -159,6 +160,7 @@ class ImageJob:
             self.result = self._write(self._staged.set, self._cancel)
         except BaseException as exc:  # noqa: BLE001 - raised where the restore waits for it
             self.error = exc
+            self._told_to_stop = self._cancel.is_set()
         finally:
             self.seconds = time.perf_counter() - self._started
             self._staged.set()
@@ -166,7 +168,8 @@ class ImageJob:
 
     @property
     def failed(self) -> bool:
-        return self._done.is_set() and self.error is not None
+        """Whether the writer failed by itself (not because :meth:`stop` told it to)."""
+        return self._done.is_set() and self.error is not None and not self._told_to_stop
 
     def wait_staged(self) -> None:
         """Until every file but the pages files is in place; the writer's error, if it failed."""

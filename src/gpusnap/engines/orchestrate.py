@@ -605,10 +605,13 @@ def restore(
         try:
             records = run_steps([Step("restore", lambda: eng.restore(local, opts))])
         except StepFailed as exc:
-            # The images failed while the engine waited for them: the engine undid its
-            # preparation; the user gets the writer's own error, as when nothing overlapped.
-            if images is not None and images.failed and exc.exit_code != ExitCode.ROLLBACK_FAILED:
-                raise images.error from None  # type: ignore[misc]
+            # The images failed while the engine prepared or waited for them (maybe removed
+            # under a step that read them): the engine undid its preparation, and the user gets
+            # the writer's own error, as when nothing overlapped.
+            if images is not None:
+                images.stop()
+                if images.failed and exc.exit_code != ExitCode.ROLLBACK_FAILED:
+                    raise images.error from None  # type: ignore[misc]
             raise
         container = records[0].result
         timings = {**clock.laps, **{r.name: round(r.seconds, 3) for r in records},

@@ -200,3 +200,32 @@ def test_runc_direct_waits_for_the_images_after_preparing_and_undoes_on_failure(
         eng._start(rec, restore_from=tmp_path / "images", skip_lock=True, images_ready=images_ready)
     assert err.value.step == WAIT_IMAGES and isinstance(err.value.cause, IntegrityError)
     assert log[0] == "mount" and log[-2:] == ["wait", "unmount"] and not any(x.startswith("runc") for x in log)
+
+
+def test_a_writer_failing_under_the_engines_preparation_still_reports_its_own_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The writer removes the directory when it fails: a preparation step still reading from it
+    # fails too, but the cause the user sees is the writer's.
+    api = FakeApi(pages_s=0.05, fail=IntegrityError("blob sha256:ab from the registry does not match its digest"))
+    run, eng = _restore(tmp_path, monkeypatch, api, overlaps=True)
+    gone = threading.Event()
+    real = api.materialize_checkpoint
+
+    def materialize(*a: Any, **kw: Any) -> Path:
+        try:
+            return real(*a, **kw)
+        finally:
+            gone.set()
+
+    def restore(source: Path, opts: RestoreOptions) -> ContainerInfo:
+        def prepare() -> None:
+            gone.wait(5)
+            (source / "runc-direct.json").read_text()  # removed by now
+
+        run_steps([Step("prepare", prepare), Step(WAIT_IMAGES, opts.images_ready)])  # type: ignore[arg-type]
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(api, "materialize_checkpoint", materialize)
+    monkeypatch.setattr(eng, "restore", restore)
+    with pytest.raises(IntegrityError, match="does not match its digest"):
+        run()
+    assert _no_work_left(tmp_path)
