@@ -247,3 +247,43 @@ def test_direct_restore_of_a_checkpoint_sharing_packs_fetches_only_what_it_uses(
     layers = sum(d["size"] for d in rc.manifest["layers"])
     print(f"received {out.bytes_received} of {layers} bytes of layers")
     assert out.bytes_received < layers
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_staged_fetch_puts_all_but_the_pages_in_place_first(tmp_path: Path, registry: Registry, corrupt: bool) -> None:
+    """As a restore fetches (orchestrate.restore): the tar layers and every blob with a byte of
+    a non-pages file first, the directory renamed into place and ``staged()`` called, then the
+    pages; a pages blob that fails its digest after that still leaves nothing behind."""
+    from gpusnap.packaging import layout as lay
+
+    src = _checkpoint_dir(tmp_path / "ck", 128, seed=21)  # pages over several 32 MiB packs: some hold pages only
+    store = tmp_path / "store"
+    remote = f"{registry.host}/gs-pkg/staged-fetch:v1"
+    _pipelined_push(store, src, "gs-pkg/staged-fetch", remote, compress=False)
+    rc = open_remote(remote, insecure=True)
+    dest = tmp_path / "work" / "checkpoint"
+    seen: dict[str, tuple[bytes, int]] = {}
+
+    def staged() -> None:
+        seen.update({k: v for k, v in files_of(dest).items() if not k.startswith("pages-")})
+
+    from gpusnap.packaging import artifact as fmt
+
+    layout = lay.layout_of(OciStore(store), fmt.load(OciStore(store), OciStore(store).resolve("gs-pkg/staged-fetch").digest))
+    _, pages_only = lay.split_stages(layout.blobs, {f.path for f in layout.files if f.role == "pages"})
+    assert pages_only, "the checkpoint has no blob of pages alone: nothing to overlap"
+    if corrupt:  # a blob holding pages pieces only
+        digest = pages_only[0].descriptor.digest
+        data_file = registry.root / "data" / "docker" / "registry" / "v2" / "blobs" / "sha256" / digest[7:9] / digest[7:] / "data"
+        raw = bytearray(data_file.read_bytes())
+        raw[len(raw) // 2] ^= 0x55
+        data_file.write_bytes(bytes(raw))
+        with pytest.raises(IntegrityError):
+            api.fetch_into(tmp_path / "store2", rc, dest, staged=staged)
+        assert list((tmp_path / "work").iterdir()) == []  # neither the image directory nor a partial one
+        assert not (tmp_path / "store2" / "restored.json").exists()
+        return
+    out = api.fetch_into(tmp_path / "store2", rc, dest, staged=staged)
+    want = files_of(src)
+    assert seen == {k: v for k, v in want.items() if not k.startswith("pages-")} and "sub/big.bin" in seen
+    assert files_of(out.dest) == want
