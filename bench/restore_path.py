@@ -84,7 +84,15 @@ def _child(stage: str, args: dict) -> None:
     staged = (lambda: out.setdefault("staged_s", time.perf_counter() - t)) if args.get("staged") else None
     if stage == "materialize":
         kw = {"staged": staged} if staged else {}
-        api.materialize_checkpoint(Path(args["store"]), args["ref"], Path(args["dest"]), form="criu-dir", **kw)
+        if args.get("workers"):  # the pool's size (default: one thread per core): does pwrite into one file scale?
+            from gpusnap.packaging import artifact as fmt
+            from gpusnap.packaging.store import OciStore
+
+            store = OciStore(Path(args["store"]))
+            art = fmt.load(store, store.resolve(args["ref"]).digest)
+            fmt.write_directory_pieced(store, art, None, Path(args["dest"]), workers=int(args["workers"]), **kw)
+        else:
+            api.materialize_checkpoint(Path(args["store"]), args["ref"], Path(args["dest"]), form="criu-dir", **kw)
     elif stage == "fetch":
         from gpusnap.packaging import fetch
         from gpusnap.packaging.store import OciStore
@@ -138,6 +146,7 @@ def main() -> int:
     ap.add_argument("--dest", type=Path, default=Path("/dev/shm/gpusnap-restore-bench"), help="where images are written")
     ap.add_argument("--registry", action="store_true", help="also fetch from a local docker-registry (its storage on --work)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=0, help="materialize on this many threads (default: one per core)")
     ap.add_argument("--upper-mib", type=int, default=0, help="also a random rootfs-upper.tar of this size (an overlay container's)")
     ap.add_argument("--staged", action="store_true", help="write as a restore does: all but the pages, then the pages (prints when "
                     "the first stage was in place)")
@@ -160,7 +169,7 @@ def main() -> int:
     res: dict = {"gb": gb, "materialize": [], "fetch": []}
     for i in range(a.rounds):
         dest = a.dest / f"m{i}"
-        r = run("materialize", store=str(store), ref="bench/ck:1", dest=str(dest), staged=a.staged)
+        r = run("materialize", store=str(store), ref="bench/ck:1", dest=str(dest), staged=a.staged, workers=a.workers)
         res["materialize"].append(r)
         print(f"materialize -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s){_staged(r)}, CPU {r['cpu_s']:.2f} s, "
               f"peak RSS {r['rss_mib']:.0f} MiB", flush=True)
