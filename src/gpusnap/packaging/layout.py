@@ -296,38 +296,80 @@ def _read_exact(stream: Any, buf: memoryview) -> None:
         got += n
 
 
+RUN_MAX = 4 << 20  # bytes of contiguous pieces read and written with one call each (per thread)
+
+
+def _run_end(ps: list[Placement], i: int) -> int:
+    """The end (exclusive) of the run of placements starting at ``i`` that lie back to back in
+    the blob and in one file, uncompressed, at most RUN_MAX bytes: read with one call, each
+    piece verified, written with one call. A run of one otherwise."""
+    p = ps[i]
+    j, total = i + 1, p.stored_length
+    if p.compressed:
+        return j
+    while j < len(ps):
+        q, prev = ps[j], ps[j - 1]
+        if (q.compressed or q.path != p.path or q.blob_offset != prev.blob_offset + prev.stored_length
+                or q.file_offset != prev.file_offset + prev.raw_length or total + q.stored_length > RUN_MAX):
+            break
+        total += q.stored_length
+        j += 1
+    return j
+
+
 def place_stream(plan: BlobPlan, stream: Any, fd_for: Callable[[str], int]) -> int:
     """Read one blob sequentially from ``stream`` (anything with ``readinto``) and pwrite each of
     its placements, verified, into ``fd_for(path)`` at its offset. Bytes no placement needs
     (pieces of an older checkpoint sharing the pack) are read and dropped. Returns the raw bytes
     written. The stream must start at blob offset 0; it is read up to the last placement only.
+
+    Placements back to back in the blob and in their file (most of a pack: the pieces of one
+    pages range) are read and written as one run (:func:`_run_end`); every piece of the run is
+    verified before any of it is written.
     """
     pos = 0
     last: tuple[int, int, bytes | memoryview] | None = None  # (blob_offset, stored_length, raw) of the last piece
     skip = bytearray(1 << 20)
     scratch = bytearray(1 << 20)  # reused: a fresh buffer per piece costs an mmap and page faults
     written = 0
-    for p in plan.placements:
+    ps = plan.placements
+    i = 0
+    while i < len(ps):
+        p = ps[i]
         if last is not None and (p.blob_offset, p.stored_length) == last[:2]:
             raw = last[2]  # the same stored piece feeds another place (duplicate content)
             if p.sha256 is not None and len(raw) != p.raw_length:
                 raise IntegrityError(f"{p.path} at {p.file_offset}: duplicate placement disagrees on length; the artifact is corrupt")
-        else:
-            if p.blob_offset < pos:
-                raise IntegrityError(f"blob {plan.descriptor.digest}: overlapping placements; the artifact is corrupt")
-            while pos < p.blob_offset:
-                n = min(len(skip), p.blob_offset - pos)
-                _read_exact(stream, memoryview(skip)[:n])
-                pos += n
-            if len(scratch) < p.stored_length:
-                scratch = bytearray(p.stored_length)
-            data = memoryview(scratch)[: p.stored_length]
-            _read_exact(stream, data)
-            pos += p.stored_length
+            pwrite_all(fd_for(p.path), raw, p.file_offset)
+            written += p.raw_length
+            i += 1
+            continue
+        if p.blob_offset < pos:
+            raise IntegrityError(f"blob {plan.descriptor.digest}: overlapping placements; the artifact is corrupt")
+        while pos < p.blob_offset:
+            n = min(len(skip), p.blob_offset - pos)
+            _read_exact(stream, memoryview(skip)[:n])
+            pos += n
+        j = _run_end(ps, i)
+        total = sum(q.stored_length for q in ps[i:j]) if j > i + 1 else p.stored_length
+        if len(scratch) < total:
+            scratch = bytearray(total)
+        data = memoryview(scratch)[:total]
+        _read_exact(stream, data)
+        pos += total
+        if j == i + 1:
             raw = piece_bytes(p, data)  # valid until the next read: duplicates follow at once (sorted)
             last = (p.blob_offset, p.stored_length, raw)
+        else:
+            at = 0
+            for q in ps[i:j]:
+                raw = piece_bytes(q, data[at:at + q.stored_length])
+                at += q.stored_length
+            last = (ps[j - 1].blob_offset, ps[j - 1].stored_length, raw)
+            raw = data  # uncompressed: the run's raw bytes are its stored bytes, each piece verified above
         pwrite_all(fd_for(p.path), raw, p.file_offset)
-        written += p.raw_length
+        written += sum(q.raw_length for q in ps[i:j]) if j > i + 1 else p.raw_length
+        i = j
     return written
 
 

@@ -127,3 +127,53 @@ def test_split_stages_keeps_mixed_packs_first() -> None:
     first, rest = lay.split_stages([pages, mixed, other], {"pages-1.img"})
     assert first == [mixed, other] and rest == [pages]
     assert lay.split_stages([pages, mixed], set()) == ([pages, mixed], [])
+
+
+def _placements(pieces: list[tuple[str, int, bytes]]) -> tuple[lay.BlobPlan, bytes]:
+    """A blob holding ``pieces`` (path, file offset, raw bytes) back to back, uncompressed."""
+    import hashlib
+
+    from gpusnap.packaging.store import Descriptor
+
+    blob, pls, at = b"", [], 0
+    for path, off, raw in pieces:
+        pls.append(lay.Placement(path, off, at, len(raw), len(raw), False, hashlib.sha256(raw).digest()))
+        blob += raw
+        at += len(raw)
+    return lay.BlobPlan(Descriptor(lay.MEDIA_PACK, "sha256:" + "0" * 64, len(blob)), pls), blob
+
+
+def test_place_stream_writes_runs_of_pieces_with_one_call_and_verifies_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    rng = random.Random(3)
+    a, b, c, d = (rng.randbytes(128 << 10) for _ in range(4))
+    # a, b, c back to back in x (one run), then d elsewhere in x, then d again (a duplicate) in y
+    plan, blob = _placements([("x", 0, a), ("x", len(a), b), ("x", len(a) + len(b), c), ("x", 1 << 20, d)])
+    plan.placements.append(lay.Placement("y", 4096, plan.placements[-1].blob_offset, len(d), len(d), False,
+                                         plan.placements[-1].sha256))
+    fds = {p: os.open(tmp_path / p, os.O_RDWR | os.O_CREAT, 0o600) for p in ("x", "y")}
+    calls: list[tuple[int, int]] = []
+    real = lay.pwrite_all
+    monkeypatch.setattr(lay, "pwrite_all", lambda fd, data, off: (calls.append((off, len(data))), real(fd, data, off))[1])
+    try:
+        assert lay.place_stream(plan, io.BytesIO(blob), fds.__getitem__) == 5 * (128 << 10)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    x = (tmp_path / "x").read_bytes()
+    assert x[: 3 * len(a)] == a + b + c and x[1 << 20:] == d and (tmp_path / "y").read_bytes()[4096:] == d
+    assert calls == [(0, 3 * (128 << 10)), (1 << 20, 128 << 10), (4096, 128 << 10)]
+
+    # one byte changed in the middle piece of the run: refused before any of the run is written
+    bad = bytearray(blob)
+    bad[len(a) + 10] ^= 1
+    (tmp_path / "x").unlink()
+    calls.clear()
+    fd = os.open(tmp_path / "x", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(IntegrityError, match="digest mismatch"):
+            lay.place_stream(plan, io.BytesIO(bytes(bad)), lambda _p: fd)
+    finally:
+        os.close(fd)
+    assert calls == [] and (tmp_path / "x").stat().st_size == 0
