@@ -97,8 +97,10 @@ if [ -n "${GS_GPU_RESTORE_PATH:-}" ]; then
   # The read side alone on this host's cores (issue 12): store, then materialize into /dev/shm
   # and fetch from a local docker-registry into /dev/shm, a synthetic checkpoint of
   # GS_GPU_RESTORE_PATH GiB, with each stage's GB/s, CPU seconds and peak RSS.
+  # GS_GPU_RESTORE_PATH_ARGS: more of its options (e.g. "--upper-mib 1024 --staged": as a restore
+  # writes it, all but the pages first; "--workers 16": materialize's thread count).
   python3 bench/restore_path.py --gib "$GS_GPU_RESTORE_PATH" --registry --work /var/tmp/gs-restore-path \
-    --dest /dev/shm/gs-restore-path 2>&1 | tee "$OUT/restore_path.log"
+    --dest /dev/shm/gs-restore-path ${GS_GPU_RESTORE_PATH_ARGS:-} 2>&1 | tee "$OUT/restore_path.log"
 fi
 
 echo
