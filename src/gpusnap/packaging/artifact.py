@@ -712,7 +712,7 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
     root = tmp  # where the tree is: ``dest`` once renamed (early when staged)
     fds: dict[str, int] = {}
-    stop = cancel or threading.Event()
+    stop = threading.Event()  # this writer's own: a failed blob stops the others (never sets the caller's ``cancel``)
     try:
         for d in layout.tar_layers:
             with _layer_stream(store, d) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
@@ -736,7 +736,7 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
             infos[f.path] = ti
 
         def place(plan: lay.BlobPlan) -> int:
-            if stop.is_set():
+            if stop.is_set() or (cancel is not None and cancel.is_set()):
                 raise lay.Cancelled()
             wanted = [p for p in plan.placements if p.path in fds]
             if not wanted:
@@ -775,7 +775,7 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
             except BaseException:
                 stop.set()  # the queued blobs are skipped, the running ones end
                 raise
-        if stop.is_set():
+        if cancel is not None and cancel.is_set():
             raise lay.Cancelled()
         finish([p for p in infos if p in fds])
         if root is tmp:

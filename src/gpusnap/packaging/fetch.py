@@ -425,6 +425,7 @@ class _Fetch:
         self.rc, self.client, self.repo = rc, rc.client, rc.ref.repository
         self.progress = progress
         self.abort = threading.Event()
+        self.cancel: threading.Event | None = None
         self.received = 0
         self._lock = threading.Lock()
 
@@ -433,7 +434,7 @@ class _Fetch:
         ``finish``): the ``wanted`` bytes from blob offset ``start``, resuming with Range after a
         broken connection, then let the sink verify them."""
         client = self.client
-        if self.abort.is_set():
+        if self.stopped():
             raise _Aborted()
         buf = bytearray(FETCH_RECV)
         view = memoryview(buf)
@@ -461,7 +462,7 @@ class _Fetch:
                         self.progress.add_total(desc.size - sink.wanted)
                         sink.end = desc.size
                     for n in read_body_into(r, view):
-                        if self.abort.is_set():
+                        if self.stopped():
                             raise _Aborted()
                         if sink.size + n > sink.wanted:
                             raise IntegrityError(f"blob {desc.digest} from {client.registry} is larger than its descriptor says; refusing it")
@@ -477,6 +478,9 @@ class _Fetch:
                     raise RegistryError(f"download of {desc.digest} from {client.registry} failed: {exc}") from None
                 time.sleep(client.backoff_s * (2 ** (failures - 1)))
         sink.finish()
+
+    def stopped(self) -> bool:
+        return self.abort.is_set() or (self.cancel is not None and self.cancel.is_set())
 
     def _count(self, n: int) -> None:
         with self._lock:
@@ -519,8 +523,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
     root = tmp  # where the tree is: ``dest`` once renamed (early when staged)
     fds: dict[str, int] = {}
     fetch = _Fetch(rc, prog)
-    if cancel is not None:
-        fetch.abort = cancel  # the caller's stop and a failed transfer's stop are one
+    fetch.cancel = cancel  # the caller's stop; ``abort`` is this fetch's own (a failed transfer sets it)
     try:
         for f in pl.files:
             fds[f.path] = _create_sparse(tmp, f.path, f.size)
@@ -561,7 +564,8 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         jobs += [lambda b=b: blob_job(b) for b in first]
         stage_one = len(jobs)
         jobs += [lambda b=b: blob_job(b) for b in rest]
-        _run_all(jobs, fetch_workers(rc.client.workers), fetch.abort, (stage_one, in_place) if staged is not None else None)
+        _run_all(jobs, fetch_workers(rc.client.workers), fetch.abort, (stage_one, in_place) if staged is not None else None,
+                 cancel=cancel)
         if cancel is not None and cancel.is_set():
             raise lay.Cancelled()
         finish([f for f in pl.files if f.path in fds])
@@ -581,7 +585,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
 
 
 def _run_all(jobs: list[Callable[[], None]], workers: int, abort: threading.Event,
-             after: tuple[int, Callable[[], None]] | None = None) -> None:
+             after: tuple[int, Callable[[], None]] | None = None, cancel: threading.Event | None = None) -> None:
     """Run ``jobs`` on ``workers`` threads; the first failure stops the others and is raised.
     ``after`` = (n, fn): ``fn()`` runs on this thread once the first ``n`` jobs succeeded, while
     the others go on (a failure of ``fn`` stops them like a failed job)."""
@@ -598,7 +602,7 @@ def _run_all(jobs: list[Callable[[], None]], workers: int, abort: threading.Even
                     g.cancel()
 
         for i, f in enumerate(futures + [None]):  # type: ignore[operator]
-            if after is not None and i == after[0] and first is None and not abort.is_set():
+            if after is not None and i == after[0] and first is None and not abort.is_set() and not (cancel and cancel.is_set()):
                 try:
                     after[1]()
                 except BaseException as exc:  # noqa: BLE001 - re-raised below, once the others stopped

@@ -278,8 +278,12 @@ def test_staged_fetch_puts_all_but_the_pages_in_place_first(tmp_path: Path, regi
         raw = bytearray(data_file.read_bytes())
         raw[len(raw) // 2] ^= 0x55
         data_file.write_bytes(bytes(raw))
+        import threading
+
+        cancel = threading.Event()
         with pytest.raises(IntegrityError):
-            api.fetch_into(tmp_path / "store2", rc, dest, staged=staged)
+            api.fetch_into(tmp_path / "store2", rc, dest, staged=staged, cancel=cancel)
+        assert not cancel.is_set()  # a failure is told apart from the caller's stop (ImageJob.failed)
         assert list((tmp_path / "work").iterdir()) == []  # neither the image directory nor a partial one
         assert not (tmp_path / "store2" / "restored.json").exists()
         return

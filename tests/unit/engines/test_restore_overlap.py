@@ -229,3 +229,26 @@ def test_a_writer_failing_under_the_engines_preparation_still_reports_its_own_er
     with pytest.raises(IntegrityError, match="does not match its digest"):
         run()
     assert _no_work_left(tmp_path)
+
+
+def test_image_job_tells_a_failure_from_a_stop() -> None:
+    def stops(staged: Any, cancel: threading.Event) -> None:
+        staged()
+        cancel.wait(5)
+        raise RuntimeError("stopped")
+
+    job = imagedir.ImageJob(stops).start()
+    job.wait_staged()
+    job.stop()
+    assert job.error is not None and not job.failed  # told to stop: not a failure of its own
+
+    def fails(staged: Any, cancel: threading.Event) -> None:
+        staged()
+        raise OSError("disk gone")
+
+    job = imagedir.ImageJob(fails).start()
+    job.wait_staged()
+    with pytest.raises(OSError):
+        job.wait()
+    job.stop()
+    assert job.failed

@@ -88,9 +88,12 @@ def test_a_pages_failure_after_staged_leaves_nothing(stored: tuple[Path, Path], 
 
     monkeypatch.setattr(lay, "place_stream", bad_pages)
     calls: list[bool] = []
+    cancel = threading.Event()
     with pytest.raises(IntegrityError, match="digest mismatch"):
-        api.materialize_checkpoint(store, "gs-pkg/staged", tmp_path / "out", form="criu-dir", staged=lambda: calls.append(True))
+        api.materialize_checkpoint(store, "gs-pkg/staged", tmp_path / "out", form="criu-dir", staged=lambda: calls.append(True),
+                                   cancel=cancel)
     assert calls == [True]  # it was renamed into place, then removed again
+    assert not cancel.is_set()  # the caller's stop is the caller's: a failure is told apart from a stop (ImageJob.failed)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
