@@ -242,12 +242,16 @@ def test_image_job_tells_a_failure_from_a_stop() -> None:
     job.stop()
     assert job.error is not None and not job.failed  # told to stop: not a failure of its own
 
+    go = threading.Event()
+
     def fails(staged: Any, cancel: threading.Event) -> None:
         staged()
+        go.wait(5)
         raise OSError("disk gone")
 
     job = imagedir.ImageJob(fails).start()
     job.wait_staged()
+    go.set()
     with pytest.raises(OSError):
         job.wait()
     job.stop()
