@@ -282,6 +282,10 @@ def checkpoint(
     if output is not None and output.exists():
         raise UsageError(f"{output} already exists; pick a new --output path or remove it")
     api = None if output is not None else packaging_api()
+    if api is not None:
+        # What the store and the push import (numpy, requests: a while the first time) loads
+        # while the engine dumps, on a thread that costs the dump nothing (it waits on runc).
+        _background(lambda: _import_store_side(bool(push)), name="gpusnap-import")
     eng, info = find_container(container, engine, settings)
     if podman_image and eng.form != FORM_PODMAN_ARCHIVE:
         raise UsageError(f"--podman-image needs a podman container; {info.name} runs in {eng.name} (push it without --podman-image "
@@ -698,6 +702,15 @@ def _background(fn: Callable[[], Any], name: str = "gpusnap-host-facts") -> "Fut
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return fut
+
+
+def _import_store_side(push: bool) -> None:
+    try:
+        import gpusnap.packaging.pack  # noqa: F401
+        if push:
+            import gpusnap.packaging.registry  # noqa: F401
+    except Exception:  # noqa: BLE001 - the store's own import says what is missing, where it is needed
+        pass
 
 
 def _refuse_plain(source: str) -> None:
