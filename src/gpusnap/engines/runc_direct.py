@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,6 +49,7 @@ from gpusnap.errors import (
     RestoreError,
     UsageError,
 )
+from gpusnap.engines.upper import pack_upper, unpack_upper, unpack_upper_apart  # noqa: F401 - unpack_upper: tests and callers
 from gpusnap.steps import Step, run_steps
 
 NAME = "runc-direct"
@@ -141,37 +141,12 @@ def mount_overlay(lower: Path, scratch: Path, merged: Path, upper_archive: Path 
         (scratch / "upper").mkdir()
         (scratch / "work").mkdir()
         if upper_archive is not None:
-            unpack_upper(upper_archive, scratch / "upper")
+            unpack_upper_apart(upper_archive, scratch / "upper")  # beside the restore's writer threads: no GIL shared
         opts = f"lowerdir={lower},upperdir={scratch / 'upper'},workdir={scratch / 'work'}"
         _mount(["-t", "overlay", "-o", opts, "gpusnap-overlay", str(merged)])
     except BaseException:
         _umount(scratch)
         raise
-
-
-def pack_upper(upper: Path, archive: Path) -> None:
-    """The overlay's writable layer as a tar. It must travel with the checkpoint: CRIU's
-    link-remap files (hard links it makes at dump for open files it cannot reach by path, e.g.
-    an interpreter seen through the overlay) land there, and the restore opens them."""
-    with tarfile.open(archive, "w") as tar:
-        for entry in sorted(upper.iterdir()):
-            tar.add(entry, arcname=entry.name)
-
-
-def unpack_upper(archive: Path, upper: Path) -> None:
-    """Unpack a writable layer, refusing entries that could land outside ``upper``.
-
-    Python's ``filter="data"`` would refuse overlay whiteouts (character devices 0/0), so the
-    ``tar`` filter is used and every other device type is refused here.
-    """
-    with tarfile.open(archive, "r") as tar:
-        for m in tar.getmembers():
-            parts = m.name.split("/")
-            if m.name.startswith("/") or ".." in parts or "\x00" in m.name:
-                raise RestoreError(f"{archive}: entry {m.name!r} would land outside the root filesystem; the checkpoint is damaged or not gpusnap's")
-            if m.isdev() and not (m.ischr() and m.devmajor == 0 and m.devminor == 0):
-                raise RestoreError(f"{archive}: entry {m.name!r} is a device file, not an overlay whiteout; refusing it")
-        tar.extractall(upper, filter="tar")
 
 
 def unmount_overlay(scratch: Path, merged: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 import tarfile
 from pathlib import Path
 
@@ -110,3 +111,28 @@ def test_restore_refuses_when_the_lower_layer_is_missing(engine: RuncDirectEngin
     with pytest.raises(RestoreError, match="overlay lower directory .* is not on this host"):
         engine.restore(cp, RestoreOptions(name="gs-demo-u3"))
     assert not (engine.home / "containers" / "gs-demo-u3").exists()
+
+
+def test_unpack_apart_is_the_same_unpack_in_a_child(tmp_path: Path) -> None:
+    """The restore unpacks the writable layer in a child interpreter (no GIL shared with its
+    writer threads): the same tree, and the same one-line refusal."""
+    from gpusnap.engines.upper import unpack_upper_apart
+
+    upper = tmp_path / "upper"
+    (upper / "tmp" / "cache").mkdir(parents=True)
+    (upper / "tmp" / "cache" / "k.py").write_text("x = 1\n")
+    (upper / "big").write_bytes(os.urandom(3 << 20))
+    os.mknod(upper / "gone", 0o600 | stat.S_IFCHR, os.makedev(0, 0))  # an overlay whiteout
+    archive = tmp_path / "rootfs-upper.tar"
+    pack_upper(upper, archive)
+    out = tmp_path / "out"
+    out.mkdir()
+    unpack_upper_apart(archive, out)
+    assert (out / "tmp" / "cache" / "k.py").read_text() == "x = 1\n"
+    assert (out / "big").read_bytes() == (upper / "big").read_bytes()
+    assert stat.S_ISCHR((out / "gone").lstat().st_mode)
+    bad = _tar_with(tmp_path, tarfile.TarInfo("../escape"), b"x")
+    (tmp_path / "out2").mkdir()
+    with pytest.raises(RestoreError, match="outside the root filesystem"):
+        unpack_upper_apart(bad, tmp_path / "out2")
+    assert list((tmp_path / "out2").iterdir()) == []
