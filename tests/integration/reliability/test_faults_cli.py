@@ -67,6 +67,18 @@ def _tags(root: Path) -> list[str]:
             if "org.opencontainers.image.ref.name" in (m.get("annotations") or {})]
 
 
+def _verify_and_restore(env: dict[str, str], stored: str, restored: str, last: int) -> None:
+    """The recovered checkpoint verifies, and restored as ``restored`` its counter goes on from
+    the number after ``last``, the last one the checkpointed container printed."""
+    v = _gs(env, "verify")
+    assert v.returncode == 0, v.stdout + v.stderr
+    r = _gs(env, "restore", stored, "--name", restored)
+    assert r.returncode == 0, r.stderr
+    assert _wait(lambda: any(n > last for n in _numbers(env, restored))), "the restored counter does not go on"
+    after = _numbers(env, restored)
+    assert last + 1 in after, (last, after)
+
+
 # (id, where the kill lands, whether a registry stalls every upload)
 CASES = [
     ("store", "store", False),
@@ -140,14 +152,7 @@ def test_kill9_cli_checkpoint(tmp_path: Path, ledger, stage: str, stalled_regist
         if push and not stalled_registry:
             assert stored == ref
         assert not any(d.exists() for d in debris), "the recovered work dir must go once its checkpoint is stored"
-        v = _gs(env, "verify")
-        assert v.returncode == 0, v.stdout + v.stderr
-        restored = name + "-r"
-        r = _gs(env, "restore", stored, "--name", restored)
-        assert r.returncode == 0, r.stderr
-        assert _wait(lambda: any(n > last for n in _numbers(env, restored))), "the restored counter does not go on"
-        after = _numbers(env, restored)
-        assert last + 1 in after, (last, after)
+        _verify_and_restore(env, stored, name + "-r", last)
         p = _gs(env, "push", stored, f"{reg.host}/gs-rel/retry:v1", "--insecure")
         assert p.returncode == 0, p.stderr
         assert reg.has_tag("gs-rel/retry", "v1")
@@ -266,14 +271,7 @@ def test_kill9_cli_checkpoint_while_criu_dumps(tmp_path: Path, ledger, overlay: 
         notes = [line for line in ls.stderr.splitlines() if line.startswith("gpusnap:")]
         assert len(notes) == 1 and f"gpusnap restore {stored}" in notes[0], ls.stderr
         assert not list((root / "state" / "tmp").glob(f"work-{proc.pid}-*")), "the recovered work dir must go once stored"
-        v = _gs(env, "verify")
-        assert v.returncode == 0, v.stdout + v.stderr
-        restored = name + "-r"
-        r = _gs(env, "restore", stored, "--name", restored)
-        assert r.returncode == 0, r.stderr
-        assert _wait(lambda: any(n > last for n in _numbers(env, restored))), "the restored counter does not go on"
-        after = _numbers(env, restored)
-        assert last + 1 in after, (last, after)
+        _verify_and_restore(env, stored, name + "-r", last)
         held = 1
     finally:
         for n in (name, name + "-r"):
