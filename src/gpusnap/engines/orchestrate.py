@@ -285,7 +285,7 @@ def checkpoint(
     if api is not None:
         # What the store and the push import (numpy, requests: a while the first time) loads
         # while the engine dumps, on a thread that costs the dump nothing (it waits on runc).
-        _background(lambda: _import_store_side(bool(push)), name="gpusnap-import")
+        _background(lambda: _preload("gpusnap.packaging.pack", *(["gpusnap.packaging.registry"] if push else [])), name="gpusnap-import")
     eng, info = find_container(container, engine, settings)
     if podman_image and eng.form != FORM_PODMAN_ARCHIVE:
         raise UsageError(f"--podman-image needs a podman container; {info.name} runs in {eng.name} (push it without --podman-image "
@@ -639,13 +639,24 @@ BACKGROUND = "background: "  # timings_s keys that are not laps (work overlapped
 
 def _import_packaging(settings: Settings, source: str) -> None:
     """gpusnap.packaging, and its registry client (requests) when ``source`` is not in the store."""
-    try:
+    if _preload("gpusnap.packaging.api"):
         from gpusnap.packaging import api
 
         if not api.has_checkpoint(settings.store_dir, source):
-            import gpusnap.packaging.fetch  # noqa: F401
-    except Exception:  # noqa: BLE001 - packaging_api() says what is missing, where it is needed
-        pass
+            _preload("gpusnap.packaging.fetch")
+
+
+def _preload(*modules: str) -> bool:
+    """Import ``modules`` (on a background thread, ahead of their use); False if one fails: the
+    import where it is needed says what is missing (packaging_api())."""
+    import importlib
+
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - reported where the module is used
+        return False
+    return True
 
 
 def _image_dir(settings: Settings, work: Path, image_bytes: int, progress: Progress, memory: ExitStack) -> Path:
@@ -702,15 +713,6 @@ def _background(fn: Callable[[], Any], name: str = "gpusnap-host-facts") -> "Fut
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return fut
-
-
-def _import_store_side(push: bool) -> None:
-    try:
-        import gpusnap.packaging.pack  # noqa: F401
-        if push:
-            import gpusnap.packaging.registry  # noqa: F401
-    except Exception:  # noqa: BLE001 - the store's own import says what is missing, where it is needed
-        pass
 
 
 def _refuse_plain(source: str) -> None:

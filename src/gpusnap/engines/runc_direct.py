@@ -49,7 +49,7 @@ from gpusnap.errors import (
     RestoreError,
     UsageError,
 )
-from gpusnap.engines.upper import pack_upper, unpack_upper, unpack_upper_apart  # noqa: F401 - unpack_upper: tests and callers
+from gpusnap.engines.upper import pack_upper, unpack_upper_apart
 from gpusnap.steps import Step, run_steps
 
 NAME = "runc-direct"
@@ -585,8 +585,6 @@ class RuncDirectEngine(EngineBase):
             shutil.rmtree(dest, ignore_errors=True)
             still = "still runs" if self.is_running(container) else "is no longer running"
             raise CheckpointError(f"could not checkpoint {rec.name}: {detail}; the container {still} (CRIU logs: {logs})")
-        for log in dest.glob("*.log"):
-            log.unlink()  # CRIU's dump.log is no part of the checkpoint
         self._after_dump(rec, dest, leave_running=opts.leave_running)
         return EngineCheckpoint(form=self.form, path=dest, image_dir=dest, container=container)
 
@@ -596,8 +594,11 @@ class RuncDirectEngine(EngineBase):
         (dest / BUNDLE_RECORD).write_text(json.dumps(portable, indent=2, sort_keys=True))
 
     def _after_dump(self, rec: RuncDirectRecord, dest: Path, *, leave_running: bool) -> None:
-        """What a checkpoint adds once runc has dumped: the overlay's writable layer, and for a
-        container the dump stopped, its record and network set as a stopped one's."""
+        """What a checkpoint adds once runc has dumped: CRIU's dump.log out (no part of the
+        checkpoint), the overlay's writable layer, and for a container the dump stopped, its
+        record and network set as a stopped one's."""
+        for log in dest.glob("*.log"):
+            log.unlink()
         if rec.rootfs == OVERLAY_ROOTFS:
             scratch, _ = overlay_paths(self.container_dir(rec.name))
             pack_upper(scratch / "upper", dest / UPPER_ARCHIVE)
@@ -621,8 +622,6 @@ class RuncDirectEngine(EngineBase):
             return False  # not the container this dump stopped (restored again since?)
         if rec.rootfs == OVERLAY_ROOTFS and not (overlay_paths(self.container_dir(rec.name))[0] / "upper").is_dir():
             return False
-        for log in dest.glob("*.log"):
-            log.unlink()
         self._after_dump(rec, dest, leave_running=False)
         return True
 

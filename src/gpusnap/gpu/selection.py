@@ -119,7 +119,7 @@ def given_gpu_minors(spec: dict[str, Any]) -> set[int]:
 
 
 def _from_given_nodes(spec: dict[str, Any], inventory: Inventory) -> Selection | None:
-    """The GPUs whose nodes the spec was given (a device plugin's), when it asks for none."""
+    """The GPUs whose nodes the spec was given (a device plugin's), whatever it asks for."""
     minors = given_gpu_minors(spec)
     if not minors or not inventory.nvidia.present:
         return None

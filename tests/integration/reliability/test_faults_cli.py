@@ -32,6 +32,28 @@ BIG = "x=$(head -c 36000000 /dev/urandom | base64); " + COUNTER
 STALL_PORT = 5355
 
 
+def _env(root: Path) -> dict[str, str]:
+    """gpusnap's environment for one test: its own run, state and store dirs under ``root``."""
+    return {**os.environ, "GPUSNAP_RUN_DIR": str(root / "run"), "GPUSNAP_STATE_DIR": str(root / "state"),
+            "GPUSNAP_STORE": str(root / "store"), "GPUSNAP_CONFIG": str(root / "none.toml"), "COLUMNS": "100"}
+
+
+def _stalling(stalled: threading.Event, release: threading.Event, final: Reply):  # type: ignore[no-untyped-def]
+    """A registry script that answers the API check and HEADs, then holds every upload (setting
+    ``stalled``) until ``release``, and answers it with ``final``."""
+
+    def stall(method: str, path: str, h: dict[str, str]) -> Reply:
+        if path == "/v2/":
+            return Reply(200, {}, b"{}")
+        if method == "HEAD":
+            return Reply(404)
+        stalled.set()  # an upload: hold it until the client is dead
+        release.wait(60)
+        return final
+
+    return stall
+
+
 def _gs(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([GPUSNAP, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -91,22 +113,13 @@ CASES = [
 @pytest.mark.parametrize(("stage", "stalled_registry"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_kill9_cli_checkpoint(tmp_path: Path, ledger, stage: str, stalled_registry: bool) -> None:  # type: ignore[no-untyped-def]
     root = tmp_path / "gs"
-    env = {**os.environ, "GPUSNAP_RUN_DIR": str(root / "run"), "GPUSNAP_STATE_DIR": str(root / "state"),
-           "GPUSNAP_STORE": str(root / "store"), "GPUSNAP_CONFIG": str(root / "none.toml"), "COLUMNS": "100"}
+    env = _env(root)
     name = f"gs-rel-cli-{uuid.uuid4().hex[:6]}"
     stalled = threading.Event()
     release = threading.Event()
     log: list[Seen] = []
 
-    def stall(method: str, path: str, h: dict[str, str]) -> Reply:
-        if path == "/v2/":
-            return Reply(200, {}, b"{}")
-        if method == "HEAD":
-            return Reply(404)
-        stalled.set()  # an upload: hold it until the client is dead
-        release.wait(60)
-        return Reply(500)
-
+    stall = _stalling(stalled, release, Reply(500))
     reg = Registry(tmp_path / "registry", REL_PORTS).start()
     ref = f"127.0.0.1:{STALL_PORT}/gs-rel/stall:v1" if stalled_registry else f"{reg.host}/gs-rel/kill:v1"
     push = [] if stage == "store" and not stalled_registry else ["--push", ref, "--insecure"]
@@ -173,22 +186,13 @@ def test_a_live_checkpoint_is_spared_and_a_failed_push_rolls_back(tmp_path: Path
     container stopped), other gpusnap runs leave its work dir alone; when the registry then
     fails the upload, the checkpoint rolls back: the container runs again, no tag is left."""
     root = tmp_path / "gs"
-    env = {**os.environ, "GPUSNAP_RUN_DIR": str(root / "run"), "GPUSNAP_STATE_DIR": str(root / "state"),
-           "GPUSNAP_STORE": str(root / "store"), "GPUSNAP_CONFIG": str(root / "none.toml"), "COLUMNS": "100"}
+    env = _env(root)
     name = f"gs-rel-cli-{uuid.uuid4().hex[:6]}"
     stalled = threading.Event()
     release = threading.Event()
     log: list[Seen] = []
 
-    def stall(method: str, path: str, h: dict[str, str]) -> Reply:
-        if path == "/v2/":
-            return Reply(200, {}, b"{}")
-        if method == "HEAD":
-            return Reply(404)
-        stalled.set()
-        release.wait(60)
-        return Reply(400, {"Content-Type": "application/json"}, b'{"errors":[{"code":"DENIED","message":"no"}]}')
-
+    stall = _stalling(stalled, release, Reply(400, {"Content-Type": "application/json"}, b'{"errors":[{"code":"DENIED","message":"no"}]}'))
     ref = f"127.0.0.1:{STALL_PORT}/gs-rel/live:v1"
     held = 0
     try:
@@ -234,8 +238,7 @@ def test_kill9_cli_checkpoint_while_criu_dumps(tmp_path: Path, ledger, overlay: 
     doctor` shows it; the next run finishes the engine's part, stores it and says so; it restores
     and the counter goes on."""
     root = tmp_path / "gs"
-    env = {**os.environ, "GPUSNAP_RUN_DIR": str(root / "run"), "GPUSNAP_STATE_DIR": str(root / "state"),
-           "GPUSNAP_STORE": str(root / "store"), "GPUSNAP_CONFIG": str(root / "none.toml"), "COLUMNS": "100"}
+    env = _env(root)
     name = f"gs-rel-dump-{uuid.uuid4().hex[:6]}"
     held = 0
     try:

@@ -20,9 +20,8 @@ from gpusnap.engines.runc_direct import (
     RuncDirectEngine,
     RuncDirectRecord,
     overlay_paths,
-    pack_upper,
-    unpack_upper,
 )
+from gpusnap.engines.upper import pack_upper, unpack_upper, unpack_upper_apart
 from gpusnap.errors import NotFoundError, RestoreError, UsageError
 
 
@@ -116,8 +115,6 @@ def test_restore_refuses_when_the_lower_layer_is_missing(engine: RuncDirectEngin
 def test_unpack_apart_is_the_same_unpack_in_a_child(tmp_path: Path) -> None:
     """The restore unpacks the writable layer in a child interpreter (no GIL shared with its
     writer threads): the same tree, and the same one-line refusal."""
-    from gpusnap.engines.upper import unpack_upper_apart
-
     upper = tmp_path / "upper"
     (upper / "tmp" / "cache").mkdir(parents=True)
     (upper / "tmp" / "cache" / "k.py").write_text("x = 1\n")
