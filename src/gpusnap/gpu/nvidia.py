@@ -107,7 +107,9 @@ class NvidiaBackend:
         if err == drv.CUresult.CUDA_SUCCESS:
             return result
         name = getattr(err, "name", str(err))
-        if not (self.host.proc / str(pid)).is_dir():
+        from gpusnap.gpu.procs import exited
+
+        if exited(self.host.proc, pid):
             raise ProcessGone(call, pid, f"{name} (the process no longer exists)")
         if err == drv.CUresult.CUDA_ERROR_TIMEOUT:
             raise GpuLockTimeout(call, pid, name, "the process kept the GPU busy past the lock timeout; retry or raise lock_timeout_ms")

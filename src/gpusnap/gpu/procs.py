@@ -49,6 +49,19 @@ def environ(proc: Path, pid: int) -> dict[str, str]:
     return out
 
 
+def exited(proc: Path, pid: int) -> bool:
+    """Whether ``pid`` is gone, or has exited and waits to be reaped (a zombie: no memory, no
+    environment, no GPU context left). A call that fails on such a process failed because it
+    ended, not because of the call."""
+    d = proc / str(pid)
+    try:
+        stat = (d / "stat").read_text()
+    except OSError:
+        return not d.is_dir()
+    # The state follows the comm, which may itself hold spaces and parentheses.
+    return stat.rpartition(")")[2].split()[:1] in (["Z"], ["X"])
+
+
 def comm(proc: Path, pid: int) -> str:
     try:
         return (proc / str(pid) / "comm").read_text().strip()

@@ -41,7 +41,7 @@ from typing import Any
 from gpusnap.config import HostPaths
 from gpusnap.errors import UnsupportedError, UsageError
 from gpusnap.gpu.base import GpuCallError, GpuLockTimeout, GpuStatus, ProcessGone, ProcessGpuState
-from gpusnap.gpu.procs import environ, gpu_process
+from gpusnap.gpu.procs import environ, exited, gpu_process
 from gpusnap.gpu.unsupported import mps_reason, mig_env_reason
 from gpusnap.metadata import GpuInfo, GpuProcess
 
@@ -141,12 +141,14 @@ class StandinBackend:
         return [dict(DEFAULT_GPU, **g) for g in self._read_json("gpus.json", [DEFAULT_GPU])]
 
     def _token(self, call: str, pid: int) -> str:
-        if not (self.host.proc / str(pid)).is_dir():
-            raise ProcessGone(call, pid, "CUDA_ERROR_INVALID_VALUE (the process no longer exists)")
         token = environ(self.host.proc, pid).get(TOKEN_ENV)
-        if not token:
-            raise GpuCallError(call, pid, "CUDA_ERROR_NOT_INITIALIZED")
-        return token
+        if token:
+            return token
+        # A process that ended (or ended and is not reaped yet: a zombie has no environment)
+        # is gone, as the real backend reports it, not a process that never used CUDA.
+        if exited(self.host.proc, pid):
+            raise ProcessGone(call, pid, "CUDA_ERROR_INVALID_VALUE (the process no longer exists)")
+        raise GpuCallError(call, pid, "CUDA_ERROR_NOT_INITIALIZED")
 
     def _proc_record(self, token: str, pid: int) -> dict[str, Any]:
         rec = self._read_json(f"procs/{token}.json", None)

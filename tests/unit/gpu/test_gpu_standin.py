@@ -10,6 +10,7 @@ import pytest
 
 from gpusnap.errors import UnsupportedError
 from gpusnap.gpu.base import GpuCallError, GpuLockTimeout, ProcessGone, ProcessGpuState
+from gpusnap.gpu.procs import exited
 from gpusnap.gpu.standin import StandinBackend
 
 R, L, C = ProcessGpuState.RUNNING, ProcessGpuState.LOCKED, ProcessGpuState.CHECKPOINTED
@@ -66,6 +67,34 @@ def test_gone_process(fake, standin):
     fake.procs[0].wait()
     with pytest.raises(ProcessGone):
         standin.lock(pid, 100)
+
+
+def test_exited_process_not_reaped_yet_is_gone(fake, standin, tmp_path):
+    """A process that ended between the scan and the call but is not reaped (a zombie: no
+    environment left) is gone, as the real driver reports it, not "not initialized"."""
+    pid = fake.spawn()
+    assert standin.state(pid) == R
+    fake.procs[0].kill()
+    for _ in range(200):  # until the kernel has it as a zombie (the test holds off the reaping)
+        stat = open(f"/proc/{pid}/stat").read()
+        if stat.rpartition(")")[2].split()[0] == "Z":
+            break
+        __import__("time").sleep(0.01)
+    assert exited(standin.host.proc, pid)
+    with pytest.raises(ProcessGone):
+        standin.state(pid)
+    fake.procs[0].wait()
+    assert exited(standin.host.proc, pid)
+    live = fake.spawn(cuda=False)
+    assert not exited(standin.host.proc, live)  # alive without CUDA: still "not initialized"
+    with pytest.raises(GpuCallError, match="NOT_INITIALIZED"):
+        standin.state(live)
+    odd = tmp_path / "proc" / "77"
+    odd.mkdir(parents=True)
+    (odd / "stat").write_text("77 (a) b) Z 1 77")  # a comm with ") " in it
+    assert exited(tmp_path / "proc", 77)
+    (odd / "stat").write_text("77 (a) b) S 1 77")
+    assert not exited(tmp_path / "proc", 77)
 
 
 def test_injected_lock_timeout_leaves_running(fake, standin):
