@@ -674,11 +674,14 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         r.setdefault("image_bytes", 0)
         if w.store_only:
             # The store alone (no --push: a pipelined push overlaps the uploads with the store,
-            # so --push's own store step is not the store's speed), into a store of its own.
+            # so --push's own store step is not the store's speed), into a store of its own,
+            # after the dump (GPUSNAP_STORE_WHILE_DUMPING=0: stored while CRIU writes, the
+            # store step would only be the tail the dump left).
             need(env, 30 + 8 * gb(r["image_bytes"]) * 2, "the store-only checkpoint (and the pushed ones)")
             store_a = work / "store-a"
             say(f"{w.name}: gpusnap checkpoint --leave-running (store only, empty store)")
-            c0 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--json"], env=env.cli_env(store_a))
+            c0 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--json"],
+                         env={**env.cli_env(store_a), "GPUSNAP_STORE_WHILE_DUMPING": "0"})
             r["rss"].append(rss_row("checkpoint (store only)", c0))
             c0.check()
             j0 = c0.json()
@@ -695,7 +698,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         j1 = c1.json()
         r["image_bytes"] = r["image_bytes"] or int(j1.get("size") or 0)
         r["ck1"] = {"seconds": c1.seconds, "timings_s": j1.get("timings_s", {}), "size": j1.get("size"), "ref": j1.get("ref"),
-                    "registry_bytes": reg1 - reg0, "store_bytes": st1}
+                    "registry_bytes": reg1 - reg0, "store_bytes": st1, "stored_while_dumping": j1.get("stored_while_dumping", 0)}
         say(f"{w.name}: checkpoint --push {c1.seconds:.2f} s {j1.get('timings_s')}; registry +{gb(reg1 - reg0):.2f} GB, store {gb(st1):.2f} GB")
         last_ref, last_remote, j2 = j1.get("ref"), f"{remote}:1", {}
         if w.second_checkpoint:
@@ -843,7 +846,12 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             row("checkpoint --push, end to end", ck1["seconds"], f"{r:.2f}x by hand" if r else "", "<= 1.3x", r is not None and r <= 1.3)
             row("  of which checkpoint (CRIU + GPU)", t1.get("checkpoint"), f"{t1['checkpoint'] / bare_ck:.2f}x by hand" if bare_ck and t1.get("checkpoint") else "")
             st = t1.get("store the checkpoint")
-            if st:
+            early = int(ck1.get("stored_while_dumping") or 0)
+            if early:
+                rows.append((f"  of which stored and pushed while CRIU wrote: {gb(early):.2f} GB of {gb(size):.2f}", "", "", "", ""))
+                if st:
+                    row("  of which store and push of the rest, after the dump", st)
+            elif st:
                 row("  of which store (with the uploads a pipelined push overlaps)", st, f"{gb(size) / st / io_floor:.2f}x min(SHA-256 x cores, disk)")
             ps = t1.get("push the checkpoint")
             sent = ck1.get("registry_bytes") or size

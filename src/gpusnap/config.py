@@ -68,6 +68,9 @@ class Settings:
     # Whether NVIDIA_VISIBLE_DEVICES & co. in a container's environment may request GPUs: false
     # on nodes shared by tenants, where a pod's author sets its environment (docs/security.md).
     gpu_request_env: bool = True
+    # Whether a checkpoint whose engine dumps into gpusnap's own directory (runc-direct) is
+    # stored, and pushed, while CRIU writes it (gpusnap.packaging.follow); false: after the dump.
+    store_while_dumping: bool = True
 
 
 _ENV = {
@@ -83,18 +86,19 @@ _ENV = {
     "GPUSNAP_BRIDGE": "network_bridge",
     "GPUSNAP_SUBNET": "network_subnet",
     "GPUSNAP_NET_PREFIX": "network_prefix",
+    "GPUSNAP_STORE_WHILE_DUMPING": "store_while_dumping",
 }
 
 _FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"root"}
 
 
 def _coerce(name: str, value: object, source: str) -> object:
-    if name == "gpu_request_env":
+    if name in ("gpu_request_env", "store_while_dumping"):
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()
         if text not in ("true", "false", "1", "0"):
-            raise UsageError(f"{source}: gpu_request_env must be true or false, got {value!r}")
+            raise UsageError(f"{source}: {name} must be true or false, got {value!r}")
         return text in ("true", "1")
     if name == "criu_options":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -64,6 +64,7 @@ class CheckpointOutcome:
     digest: str = ""
     size: int = 0
     timings_s: dict[str, float] = field(default_factory=dict)
+    stored_while_dumping: int = 0  # bytes of pages packed (and pushed) before the dump ended
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +79,7 @@ class CheckpointOutcome:
             "digest": self.digest,
             "size": self.size,
             "timings_s": self.timings_s,
+            "stored_while_dumping": self.stored_while_dumping,
         }
 
 
@@ -320,6 +322,8 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
     def dump() -> None:
         progress(f"checkpointing {info.name} through {eng.name}")
         state["cp"] = eng.checkpoint(info, dest, opts)
+        if "follower" in state:
+            state["while_dumping"] = state["follower"].bytes_while_dumping
         record.checkpoint = str(state["cp"].path)
         stage(workdirs.DUMPED)
 
@@ -362,20 +366,40 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
     # whatever the registry does, and a run killed before that leaves a work dir the next
     # run stores (recover_interrupted).
     pipelined = bool(push) and not podman_image and encryption is None and hasattr(api, "start_push")
+    # An engine whose CRIU writes into ``dest`` lets the store (and the pipelined push) start
+    # with the dump: the pages files are packed, and their packs uploaded, as CRIU writes them.
+    follows = (settings.store_while_dumping and output is None and encryption is None and not podman_image
+               and getattr(eng, "DUMPS_INTO_DEST", False) and hasattr(api, "follow_checkpoint"))
     transfer: list[Any] = []
+
+    def start_pipeline() -> None:
+        cm = _transfer(progress, f"push {push}")
+        bar = cm.__enter__()
+        transfer.append(cm)
+        state["pipeline"] = api.start_push(settings.store_dir, push, insecure=insecure, progress=bar)
+
+    def follow() -> None:
+        if pipelined:
+            start_pipeline()
+        on_blob = state["pipeline"].on_blob if pipelined else None
+        state["follower"] = api.follow_checkpoint(settings.store_dir, dest, compress=opts.compress, on_blob=on_blob)
+
+    def unfollow() -> None:
+        follower = state.pop("follower", None)
+        if follower is not None:
+            follower.close()
+        end_pipeline()
 
     def store() -> None:
         progress(f"storing {local}" + (f" and pushing it to {push}" if pipelined else ""))
         sealed = {"encryption": encryption} if encryption is not None else {}
         if pipelined:
-            cm = _transfer(progress, f"push {push}")
-            bar = cm.__enter__()
-            transfer.append(cm)
-            state["pipeline"] = api.start_push(settings.store_dir, push, insecure=insecure, progress=bar)
+            if "pipeline" not in state:
+                start_pipeline()
             sealed["on_blob"] = state["pipeline"].on_blob
         try:
             stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"],
-                                          compress=opts.compress, **sealed)
+                                          compress=opts.compress, follower=state.pop("follower", None), **sealed)
         except BaseException:
             end_pipeline()
             raise
@@ -413,6 +437,8 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
                 state["pushed"] = api.push(settings.store_dir, state["ref"], push, insecure=insecure, progress=bar)
 
     steps = [Step("checkpoint", dump, bring_back), Step("write metadata", describe)]
+    if follows:
+        steps.insert(0, Step("store while dumping", follow, unfollow))
     if output is not None:
         steps.append(Step("write the checkpoint", write_output))
     else:
@@ -442,6 +468,7 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         digest=str(getattr(stored, "digest", "") or ""),
         size=int(getattr(stored, "size", 0) or 0) if stored is not None else _path_size(output),
         timings_s={r.name: round(r.seconds, 3) for r in records},
+        stored_while_dumping=int(state.get("while_dumping", 0)),
     )
     return outcome
 

@@ -242,6 +242,9 @@ class RuncDirectEngine(EngineBase):
     # restore() waits for RestoreOptions.images_ready itself, after preparing the bundle, root
     # filesystem and network: a restore writes the pages files meanwhile (orchestrate.restore).
     OVERLAPS_IMAGES = True
+    # checkpoint() has CRIU write its images straight into ``dest``, so the store can pack the
+    # pages files while they are written (orchestrate.checkpoint, packaging/follow.py).
+    DUMPS_INTO_DEST = True
 
     # ---- layout -------------------------------------------------------------------------
     @property

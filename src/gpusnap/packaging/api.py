@@ -109,6 +109,7 @@ def store_checkpoint(
     encryption: EncryptionConfig | None = None,
     on_blob: Callable[[Descriptor], None] | None = None,
     workers: int | None = None,
+    follower: Any = None,
 ) -> StoredCheckpoint:
     """Package a checkpoint (directory or podman archive) as an artifact tagged ``ref`` in the store.
 
@@ -120,11 +121,43 @@ def store_checkpoint(
     Blobs reused from earlier checkpoints are not reported; an exception from it fails the
     store. Not called with ``encryption`` (the plaintext blobs are not what is pushed).
     ``workers``: threads that read, hash and write (default: one per core).
+    ``follower``: the :func:`follow_checkpoint` that watched ``source`` while it was dumped (with
+    the same ``compress`` and ``on_blob``); it is finished here, or set aside if what it read does
+    not match the finished files, and closed either way.
     """
+    try:
+        return _store_checkpoint(store_dir, source, form=form, ref=ref, metadata=metadata, compress=compress, parent=parent,
+                                 encryption=encryption, on_blob=on_blob, workers=workers, follower=follower)
+    finally:
+        if follower is not None:
+            follower.close()
+
+
+def follow_checkpoint(store_dir: Path, directory: Path, *, compress: bool = False, parent: str | None = None,
+                      on_blob: Callable[[Descriptor], None] | None = None, workers: int | None = None) -> Any:
+    """Start packing the pages files CRIU writes into ``directory`` (a criu-dir checkpoint being
+    dumped; it may not exist yet) while the dump runs. Pass it to :func:`store_checkpoint` once
+    the dump succeeded, or call its ``abort()`` and ``close()`` if it failed. See
+    gpusnap.packaging.follow."""
+    from gpusnap.packaging.follow import DumpFollower
+
+    store = OciStore(Path(store_dir))
+    parent_digest = store.resolve(parent).digest if parent else None
+    return DumpFollower(store, Path(directory), compress=compress, parent=parent_digest, on_blob=on_blob, workers=workers).start()
+
+
+def _store_checkpoint(store_dir: Path, source: Path, *, form: str, ref: str, metadata: CheckpointMetadata | dict[str, Any] | None,
+                      compress: bool, parent: str | None, encryption: EncryptionConfig | None,
+                      on_blob: Callable[[Descriptor], None] | None, workers: int | None, follower: Any) -> StoredCheckpoint:
     _check_form(form)
     source = Path(source)
     ref = normalize_ref(ref)
-    store = OciStore(Path(store_dir))
+    # The follower's packs are pending in its own store object until the tag publishes them.
+    same = follower is not None and Path(follower.store.root) == Path(store_dir)
+    store = follower.store if same else OciStore(Path(store_dir))
+    if follower is not None and not same:
+        follower.abort()
+        follower = None
     if form == "podman-archive":
         if not source.is_file():
             raise NotFoundError(f"{source}: no such podman checkpoint archive")
@@ -135,6 +168,20 @@ def store_checkpoint(
         entries = fmt.iter_directory(source)
     parent_digest = store.resolve(parent).digest if parent else None
     with store.writing():
+        followed = None
+        if follower is not None:
+            if form != "criu-dir" or encryption is not None:
+                follower.abort()  # v1 layers or another layout: the store starts from the files
+            else:
+                from gpusnap.packaging.follow import FollowMismatch
+
+                try:
+                    followed = follower.finish()
+                except FollowMismatch:
+                    follower.abort()  # what it read is not what CRIU left: store the finished files
+                except BaseException:
+                    follower.abort()
+                    raise
         try:
             built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest,
                                       on_blob=on_blob if encryption is None else None,
@@ -142,7 +189,7 @@ def store_checkpoint(
                                       # not kept at rest, so there are no stored pieces to reference,
                                       # and v1's content-defined blobs still encrypt to the same
                                       # ciphertext (dedup between encrypted checkpoints).
-                                      version=2 if encryption is None else 1, workers=workers)
+                                      version=2 if encryption is None else 1, workers=workers, followed=followed)
             manifest_digest, manifest_size = built.manifest_digest, built.manifest_size
             if encryption is not None:
                 from gpusnap.packaging.encrypted import encrypt_manifest

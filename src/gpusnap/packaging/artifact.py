@@ -258,6 +258,7 @@ def build_artifact(
     pack_params: packing.PackParams | None = None,
     on_blob: Callable[[Descriptor], None] | None = None,
     workers: int | None = None,
+    followed: Any = None,
 ) -> BuildResult:
     """Write every layer and the config into ``store``; returns the manifest (already stored).
 
@@ -265,6 +266,8 @@ def build_artifact(
     pieces of the checkpoints already in ``store`` (the parent's first). 1: the older layout,
     one blob per content-defined chunk group (kept for tests of older artifacts).
     ``on_blob``: called with each blob's descriptor as soon as the blob is complete.
+    ``followed``: a follow.Followed (version 2): the pages files a DumpFollower packed while
+    CRIU wrote them; its writer takes the rest, and those files are only listed here.
     """
     if version not in READABLE_SCHEMAS:
         raise UsageError(f"artifact format version {version} is unknown; use 1 or 2")
@@ -279,7 +282,10 @@ def build_artifact(
     zc = _compressor() if compress and version == 1 else None
     writer: packing.PackWriter | None = None
     pagemaps: dict[str, bytes] = {}
-    if version == 2:
+    numbers: dict[int, int] = {}  # followed files: provisional number → index in the file list
+    if followed is not None and version == 2:
+        writer = followed.writer
+    elif version == 2:
         known = packing.known_pieces(store, [parent] if parent else None)
         writer = packing.PackWriter(store, compress=compress, params=pack_params, known=known, on_blob=on_blob, workers=workers)
     try:
@@ -289,8 +295,12 @@ def build_artifact(
                 assert entry.stream is not None
                 if writer is not None:
                     index = len(col.files)
-                    if role == "pages":
-                        base = entry.name.rsplit("/", 1)[-1]
+                    base = entry.name.rsplit("/", 1)[-1]
+                    done = followed.files.get(entry.name) if followed is not None and role == "pages" else None
+                    if done is not None:
+                        number, offset = done  # packed while CRIU wrote it
+                        numbers[number] = index
+                    elif role == "pages":
                         ranges = ranges_of(pagemaps, base, entry.info.size)
                         raw = getattr(entry.stream, "raw", None)
                         if ranges and pack_params.cut == "vaddr" and isinstance(raw, io.FileIO):
@@ -344,6 +354,12 @@ def build_artifact(
         if engine is not None:
             layers.append(engine.finish())
         packed = writer.finish() if writer is not None else None
+        if followed is not None:
+            missing = set(followed.files) - {f["path"] for f in col.files}
+            if missing:
+                raise IntegrityError(f"{', '.join(sorted(missing))}: packed while the dump wrote it, then gone from the checkpoint")
+            if packed is not None:
+                packed.renumber_files(numbers)
     except BaseException:
         criu.abort()
         if engine is not None:

@@ -233,6 +233,14 @@ class PageCutter:
         return self.out
 
 
+def window_end(cuts: np.ndarray, i: int, per: int) -> int:
+    """The cut index that ends the window of whole pieces starting at ``cuts[i]``: the last
+    cut at most ``per`` pages on, at least one piece. It depends on no cut past that reach, so
+    a follower that knows the cuts only that far makes the same windows (follow.py)."""
+    j = int(np.searchsorted(cuts, int(cuts[i]) + per, side="right")) - 1
+    return max(j, i + 1)
+
+
 class AlignedCutter:
     """Pieces that end where the virtual address is a multiple of ``piece_pages`` pages, or
     where a memory range ends (ranges: the pagemap's, contiguous entries merged).
@@ -456,14 +464,28 @@ class PackResult:
 
     def encode_table(self, first_pack: int) -> bytes:
         """The compressed piece table, with ``packs[i]`` at manifest layer ``first_pack + i``."""
-        rec = np.dtype([("fo", "<u8"), ("bo", "<u8"), ("fi", "<u4"), ("li", "<u4"), ("raw", "<u4"), ("stored", "<u4"),
-                        ("flags", "<u4"), ("res", "<u4"), ("sha", "V32")])
-        assert rec.itemsize == lay.RECORD.size
-        arr = np.frombuffer(self.table, dtype=rec)  # in place: no copy of a table of 270k pieces
+        arr = _records(self.table)  # in place: no copy of a table of 270k pieces
         li = arr["li"]
         li[li != lay.NO_LAYER] += np.uint32(first_pack - self._first_pack)
         self._first_pack = first_pack
         return lay.encode_packed_table(self.table)
+
+    def renumber_files(self, numbers: dict[int, int]) -> None:
+        """Give the pieces of file ``k`` the file index ``numbers[k]`` (files packed before
+        their place in the artifact's file list was known: follow.py)."""
+        if not numbers:
+            return
+        fi = _records(self.table)["fi"]
+        old = fi.copy()
+        for k, v in numbers.items():
+            fi[old == k] = v
+
+
+def _records(table: bytearray) -> np.ndarray:
+    rec = np.dtype([("fo", "<u8"), ("bo", "<u8"), ("fi", "<u4"), ("li", "<u4"), ("raw", "<u4"), ("stored", "<u4"),
+                    ("flags", "<u4"), ("res", "<u4"), ("sha", "V32")])
+    assert rec.itemsize == lay.RECORD.size
+    return np.frombuffer(table, dtype=rec)
 
 
 class PackWriter:
@@ -731,23 +753,35 @@ class PackWriter:
                 buf.pool.put(buf)
 
     # -- feeding files ---------------------------------------------------------------------------
-    def add_pages_fd(self, file_index: int, fd: int, size: int, ranges: list[Any]) -> int:
+    def add_pages_fd(self, file_index: int, fd: int, size: int, ranges: list[Any], *, from_page: int = 0) -> int:
         """Cut a pages file that can be read at any offset (a file of a checkpoint directory)
         by address: windows of whole pieces are read, checked for zeros and hashed by the
-        workers in parallel; this thread only schedules them and places the results."""
+        workers in parallel; this thread only schedules them and places the results.
+        ``from_page``: the windows before that cut were added already (add_pages_window, by
+        a DumpFollower while CRIU wrote the file); the windows are the same either way."""
         cuts = AlignedCutter(ranges, self.p.piece_pages).cuts
         if int(cuts[-1]) * PAGE != size:
             raise IntegrityError(f"pages file is {size} bytes, its pagemap says {int(cuts[-1]) * PAGE}")
-        fd = os.dup(fd)  # the caller may close its file before the workers have read it
-        self._fds.append(fd)
+        i = int(np.searchsorted(cuts, from_page))
+        if i >= len(cuts) or int(cuts[i]) != from_page:
+            raise IntegrityError(f"page {from_page} is not where a piece of this pages file starts")
+        fd = self.adopt_fd(os.dup(fd))  # the caller may close its file before the workers have read it
         per = self.p.window // PAGE
-        i = 0
         while i < len(cuts) - 1:
-            j = int(np.searchsorted(cuts, int(cuts[i]) + per, side="right")) - 1
-            j = max(j, i + 1)
-            self._submit_read(self._get_buffer(), fd, file_index, cuts[i:j + 1])
+            j = window_end(cuts, i, per)
+            self.add_pages_window(fd, file_index, cuts[i:j + 1])
             i = j
         return size
+
+    def add_pages_window(self, fd: int, file_index: int, bounds: np.ndarray) -> None:
+        """One window of a pages file: the pieces between consecutive ``bounds`` (page
+        indexes), read from ``fd`` (kept open until the writer finishes) by a worker."""
+        self._submit_read(self._get_buffer(), fd, file_index, bounds)
+
+    def adopt_fd(self, fd: int) -> int:
+        """``fd`` is closed when the writer finishes or aborts (its workers may read it until then)."""
+        self._fds.append(fd)
+        return fd
 
     def add_pages(self, file_index: int, stream: Any, size: int, ranges: list[Any] | None) -> int:
         """Cut a pages file read from ``stream`` (``readinto``); returns the bytes read.

@@ -16,7 +16,9 @@ protobuf reader in :mod:`gpusnap.packaging.pstree` (why hand-written: see there)
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass
+from typing import Any
 
 from gpusnap.packaging.pstree import ImageFormatError, decode_message, read_entries
 
@@ -37,15 +39,60 @@ class PageRange:
 
 def parse_pagemap(data: bytes) -> tuple[int, list[PageRange]]:
     """(pages_id, ranges present in pages-<pages_id>.img, in file order)."""
-    entries = read_entries(data, PAGEMAP_MAGIC)
-    if not entries:
+    reader = PagemapReader()
+    reader.feed(data)
+    if reader.pending:
+        read_entries(data, PAGEMAP_MAGIC)  # says how it is truncated
+    if reader.pages_id is None:
         raise ImageFormatError("pagemap image has no head")
-    head = decode_message(entries[0])
-    pages_id = int(head.get(1, [0])[0])
-    ranges: list[PageRange] = []
-    offset = 0
-    for raw in entries[1:]:
-        f = decode_message(raw)
+    return reader.pages_id, reader.ranges
+
+
+class PagemapReader:
+    """A pagemap image read as CRIU writes it: ``feed`` the bytes that were added to the file
+    since the last call; ``ranges`` holds every range of the complete entries so far (an entry
+    cut off at the end of what was fed waits for the rest)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.pages_id: int | None = None
+        self.ranges: list[PageRange] = []
+        self._offset = 0  # bytes of the pages file the ranges so far take
+        self._magic = False
+
+    @property
+    def pending(self) -> int:
+        """Bytes fed that do not make a complete entry (or the magic) yet."""
+        return len(self.buf)
+
+    def feed(self, data: bytes) -> list[PageRange]:
+        """Take more bytes; returns the ranges they completed."""
+        self.buf += data
+        new: list[PageRange] = []
+        pos = 0
+        if not self._magic:
+            if len(self.buf) < 8:
+                return new
+            read_entries(bytes(self.buf[:8]), PAGEMAP_MAGIC)  # checks the magic
+            self._magic, pos = True, 8
+        while pos + 4 <= len(self.buf):
+            (ln,) = struct.unpack_from("<I", self.buf, pos)
+            if pos + 4 + ln > len(self.buf):
+                break
+            raw = bytes(self.buf[pos + 4: pos + 4 + ln])
+            pos += 4 + ln
+            f = decode_message(raw)
+            if self.pages_id is None:
+                self.pages_id = int(f.get(1, [0])[0])
+                continue
+            r = self._range(f)
+            if r is not None:
+                new.append(r)
+        del self.buf[:pos]
+        self.ranges.extend(new)
+        return new
+
+    def _range(self, f: dict[int, list[Any]]) -> PageRange | None:
         if 1 not in f:
             raise ImageFormatError("pagemap entry without vaddr")
         vaddr, nr = int(f[1][0]), int(f.get(2, [0])[0])
@@ -55,10 +102,11 @@ def parse_pagemap(data: bytes) -> tuple[int, list[PageRange]]:
             present = bool(int(f[4][0]) & PE_PRESENT)
         else:
             present = not int(f.get(3, [0])[0])
-        if present and nr:
-            ranges.append(PageRange(vaddr, offset, nr))
-            offset += nr * PAGE_SIZE
-    return pages_id, ranges
+        if not (present and nr):
+            return None
+        r = PageRange(vaddr, self._offset, nr)
+        self._offset += nr * PAGE_SIZE
+        return r
 
 
 def merge_contiguous(ranges: list[PageRange]) -> list[PageRange]:

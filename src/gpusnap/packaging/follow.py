@@ -1,0 +1,334 @@
+"""Store a checkpoint while CRIU is still writing it.
+
+A GPU checkpoint's image is nearly all pages (the driver's copy of GPU memory inside the
+process), and CRIU writes them at one to two GB/s. When the store starts only after the dump,
+``checkpoint --push`` costs the dump plus the store plus what the uploads add. A
+:class:`DumpFollower` watches the image directory from before the dump: it cuts, hashes and packs
+the pages files as they grow (the pack writer's ``on_blob`` uploads each pack as it is
+committed), so that when the dump ends only the tail of the last file is left to store.
+
+Why the result is the same as storing the finished directory:
+
+* CRIU writes, for one process (or shared-memory object) after the other, a pagemap image (a
+  head naming ``pages-N.img``, then an entry per run of pages, through a 4 KiB buffer) and
+  ``pages-N.img`` itself, appended with splice and never rewritten: bytes below a pages file's
+  current size are final.
+* The cuts of a pages file depend only on its pagemap ranges (pack.AlignedCutter). A range seen
+  so far may still grow (the next entry may continue it in memory and in the file), so its end
+  is not yet a cut; every other cut is final. A window of pieces (pack.window_end) is added once a
+  final cut lies past its reach and the file holds its bytes: the windows a store of the
+  finished file makes, read from the same bytes.
+* Files go in the order of their pages id, each to its end before the next: CRIU creates
+  ``pages-(N+1).img`` after closing ``pages-N.img`` and its pagemap, so once the next one exists
+  the earlier one is whole. :meth:`DumpFollower.finish`, called when the dump has ended, takes the
+  rest the same way (every file is whole then) and checks that what was read while CRIU wrote is
+  what the finished files say: another layout raises :class:`FollowMismatch` and the caller
+  stores the finished directory instead, so a CRIU that writes differently costs time, never a
+  wrong checkpoint.
+
+The artifact depends only on the finished directory: its pages files (those whose pagemap is
+known) are packed first, in pages-id order, then everything else as
+:func:`gpusnap.packaging.artifact.build_artifact` goes through the directory. Their pieces carry
+provisional file numbers until the artifact's file list places them (PackResult.renumber_files).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpusnap.packaging.pagemap import PAGE_SIZE, PAGEMAP_NAME, PagemapReader, merge_contiguous
+from gpusnap.packaging.pstree import ImageFormatError
+from gpusnap.packaging.store import OciStore
+
+# numpy and the pack writer are imported where they are first used, on the follower's thread:
+# the follower starts right before the dump, and the dump should not wait for those imports.
+
+PAGES_NAME = re.compile(r"^pages-(\d+)\.img$")
+PROVISIONAL = 1 << 30  # file numbers of followed files until the artifact lists them: PROVISIONAL + pages id
+POLL_S = 0.02
+_READ = 1 << 20
+
+
+class FollowMismatch(Exception):
+    """The finished files are not what was read while CRIU wrote them: store the directory anew."""
+
+
+@dataclass
+class _Track:
+    """One pages file: what of it went to the writer."""
+
+    pages_id: int
+    name: str
+    fd: int
+    reader: PagemapReader | None = None
+    pagemap_fd: int = -1
+    pagemap_read: int = 0
+    cuts: Any = None  # numpy array: the final cuts known
+    at: int = 0  # index in ``cuts`` where the next window starts
+    done: bool = False
+    skipped: bool = False  # no usable pagemap: build_artifact stores it the usual way
+
+    @property
+    def started(self) -> bool:
+        return self.at > 0
+
+    @property
+    def number(self) -> int:
+        return PROVISIONAL + self.pages_id
+
+
+@dataclass(frozen=True)
+class Followed:
+    """What :meth:`DumpFollower.finish` hands to build_artifact: the writer that holds the pages
+    files' pieces, and for each such file its provisional number and size."""
+
+    writer: Any  # pack.PackWriter
+    files: dict[str, tuple[int, int]]
+
+
+class DumpFollower:
+    """Packs the pages files of ``directory`` while a dump writes them (see the module doc).
+
+    ``start`` begins watching (the directory may not exist yet); then either ``finish`` (the
+    dump succeeded: the rest is taken, checked, and the writer returned for build_artifact) or
+    ``abort`` (anything else: nothing it wrote stays referenced). ``close`` releases the store.
+    """
+
+    def __init__(self, store: OciStore, directory: Path, *, compress: bool, parent: str | None = None,
+                 on_blob: Any = None, workers: int | None = None, params: Any = None,
+                 poll_s: float = POLL_S) -> None:
+        self.store, self.dir = store, Path(directory)
+        self.compress, self.parent, self.on_blob, self.workers = compress, parent, on_blob, workers
+        self.params = params  # pack.PackParams; None: the defaults, which build_artifact uses too
+        self.poll_s = poll_s
+        self.writer: Any = None  # pack.PackWriter, made on the follower's thread
+        self.tracks: dict[int, _Track] = {}
+        self.pagemaps: dict[int, str] = {}  # pages id → pagemap file name
+        self._heads_seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock: Any = None
+        self.bytes_while_dumping = 0  # pages handed to the writer before finish()
+        self._finishing = False
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self) -> "DumpFollower":
+        # The packs it commits are referenced by no tag until the store tags the artifact: keep
+        # gc away from the first one on.
+        self._lock = self.store.writing()
+        self._lock.__enter__()
+        self._thread = threading.Thread(target=self._run, name="gpusnap-follow", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            from gpusnap.packaging import pack as packing
+
+            self.params = self.params or packing.PackParams()
+            known = packing.known_pieces(self.store, [self.parent] if self.parent else None)
+            self.writer = packing.PackWriter(self.store, compress=self.compress, params=self.params, known=known,
+                                             on_blob=self.on_blob, workers=self.workers)
+            while not self._stop.is_set():
+                if not self._step(final=False):
+                    self._stop.wait(self.poll_s)
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
+            self._error = exc
+
+    def _join(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def finish(self) -> Followed:
+        """The dump ended and its files are whole: take the rest of every pages file."""
+        self._join()
+        if self._error is not None:
+            raise self._error
+        assert self.writer is not None
+        self._finishing = True
+        self._step(final=True)
+        for t in self._ordered():
+            if t.done:
+                self._recheck(t)
+        files = {t.name: (t.number, int(t.cuts[-1]) * PAGE_SIZE) for t in self._ordered() if t.done}
+        writer, self.writer = self.writer, None  # build_artifact finishes or aborts it from here on
+        return Followed(writer, files)
+
+    def abort(self) -> None:
+        """Stop, and drop every pack written so far (none is referenced by a tag yet)."""
+        self._join()
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+            self.store.discard_pending()
+        self._close_files()
+
+    def close(self) -> None:
+        """Release the store (after the artifact is tagged, or after ``abort``); a writer never
+        handed over by ``finish`` is aborted."""
+        self.abort()
+        if self._lock is not None:
+            self._lock.__exit__(None, None, None)
+            self._lock = None
+
+    def _close_files(self) -> None:
+        for t in self.tracks.values():
+            if t.pagemap_fd >= 0:
+                os.close(t.pagemap_fd)
+                t.pagemap_fd = -1
+            # the pages fds belong to the writer (adopt_fd), which closes them
+
+    # -- following -------------------------------------------------------------------------------
+    def _ordered(self) -> list[_Track]:
+        return [self.tracks[k] for k in sorted(self.tracks)]
+
+    def _pages_ids(self) -> list[int]:
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for m in map(PAGES_NAME.match, names) if m)
+
+    def _step(self, final: bool) -> bool:
+        """Add what can be added now; returns whether anything was."""
+        ids = self._pages_ids()
+        progressed = False
+        for k, n in enumerate(ids):
+            t = self.tracks.get(n)
+            if t is None:
+                t = self._open(n)
+                if t is None:
+                    break
+            if t.done or t.skipped:
+                continue
+            whole = final or k + 1 < len(ids)
+            progressed |= self._advance(t, whole)
+            if not (t.done or t.skipped):
+                break  # one file at a time, in pages-id order
+        return progressed
+
+    def _open(self, n: int) -> _Track | None:
+        name = f"pages-{n}.img"
+        try:
+            fd = os.open(self.dir / name, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        assert self.writer is not None
+        t = _Track(n, name, self.writer.adopt_fd(fd))
+        self.tracks[n] = t
+        return t
+
+    def _find_pagemap(self, pages_id: int) -> str | None:
+        """The pagemap image whose head names ``pages_id`` (heads are read once each)."""
+        if pages_id in self.pagemaps:
+            return self.pagemaps[pages_id]
+        try:
+            names = sorted(n for n in os.listdir(self.dir) if PAGEMAP_NAME.match(n) and n not in self._heads_seen)
+        except FileNotFoundError:
+            return None
+        for name in names:
+            reader = PagemapReader()
+            try:
+                with open(self.dir / name, "rb") as f:
+                    reader.feed(f.read(4096))
+            except (OSError, ImageFormatError):
+                continue
+            if reader.pages_id is None:
+                continue  # its head is still in CRIU's buffer
+            self._heads_seen.add(name)
+            self.pagemaps[reader.pages_id] = name
+        return self.pagemaps.get(pages_id)
+
+    def _advance(self, t: _Track, whole: bool) -> bool:
+        import numpy as np
+
+        from gpusnap.packaging import pack as packing
+
+        if t.reader is None:
+            name = self._find_pagemap(t.pages_id)
+            if name is None:
+                if whole:
+                    t.skipped = True  # no pagemap names it: stored the usual way
+                return False
+            t.reader = PagemapReader()
+            t.pagemap_fd = os.open(self.dir / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            while chunk := os.pread(t.pagemap_fd, _READ, t.pagemap_read):
+                t.pagemap_read += len(chunk)
+                t.reader.feed(chunk)
+        except ImageFormatError:
+            return self._unusable(t, whole)
+        size = os.fstat(t.fd).st_size
+        ranges = merge_contiguous(t.reader.ranges)
+        if whole:
+            if t.reader.pending or not ranges or sum(r.nr_pages for r in ranges) * PAGE_SIZE != size:
+                return self._unusable(t, True)
+            cuts = packing.AlignedCutter(ranges, self.params.piece_pages).cuts
+        else:
+            if not ranges:
+                return False
+            cuts = packing.AlignedCutter(ranges, self.params.piece_pages).cuts[:-1]  # the last range may grow
+        used = t.cuts[: t.at + 1] if t.started else cuts[:0]
+        if len(cuts) < len(used) or not np.array_equal(cuts[: len(used)], used):
+            raise FollowMismatch(f"{t.name}: its pagemap changed after part of it was stored")
+        t.cuts = cuts
+        per = self.params.window // PAGE_SIZE
+        avail = size // PAGE_SIZE
+        progressed = False
+        while t.at < len(cuts) - 1:
+            if not whole and int(cuts[-1]) <= int(cuts[t.at]) + per:
+                break  # where this window ends depends on cuts not known yet
+            j = packing.window_end(cuts, t.at, per)
+            if int(cuts[j]) > avail:
+                break
+            assert self.writer is not None
+            self.writer.add_pages_window(t.fd, t.number, cuts[t.at: j + 1])
+            if not self._finishing:
+                self.bytes_while_dumping += (int(cuts[j]) - int(cuts[t.at])) * PAGE_SIZE
+            t.at = j
+            progressed = True
+        if whole and t.at == len(cuts) - 1:
+            t.done = True
+        return progressed
+
+    def _recheck(self, t: _Track) -> None:
+        """The finished file and its pagemap, read again from the start, give the cuts used."""
+        import numpy as np
+
+        from gpusnap.packaging import pack as packing
+
+        reader = PagemapReader()
+        try:
+            with open(self.dir / self.pagemaps[t.pages_id], "rb") as f:
+                reader.feed(f.read())
+            ranges = merge_contiguous(reader.ranges)
+            cuts = packing.AlignedCutter(ranges, self.params.piece_pages).cuts if ranges else None
+        except (OSError, ImageFormatError):
+            cuts = None
+        if (cuts is None or reader.pending or reader.pages_id != t.pages_id or not np.array_equal(cuts, t.cuts)
+                or os.fstat(t.fd).st_size != int(cuts[-1]) * PAGE_SIZE):
+            raise FollowMismatch(f"{t.name}: the finished file is not the one that was stored while it was written")
+
+    def _unusable(self, t: _Track, whole: bool) -> bool:
+        """The pagemap does not describe the file (yet, or at all)."""
+        if not whole:
+            return False
+        if t.started:
+            raise FollowMismatch(f"{t.name}: its finished pagemap does not describe the part already stored")
+        t.skipped = True
+        return False
+
+
+def follow(store_dir: Path, directory: Path, *, compress: bool, parent_digest: str | None = None, on_blob: Any = None,
+           workers: int | None = None) -> DumpFollower:
+    """Start a :class:`DumpFollower` on ``directory`` for the store at ``store_dir``."""
+    return DumpFollower(OciStore(Path(store_dir)), directory, compress=compress, parent=parent_digest, on_blob=on_blob,
+                        workers=workers).start()

@@ -1,0 +1,88 @@
+"""The store that follows a dump, on dumps the real CRIU writes: it packs pages while CRIU is
+still writing them, and the artifact is the one a store of the finished directory makes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpusnap.packaging import api
+from gpusnap.packaging.follow import DumpFollower
+from gpusnap.packaging.store import OciStore
+
+MIB = 1 << 20
+SIZE_MIB = 768  # CRIU flushes a pagemap every ~270 entries of up to 1 MiB: this one flushes during the dump
+HOLDER = r"""
+import mmap, os, random, sys, time
+d, size = sys.argv[1], int(sys.argv[2]) << 20
+m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+rnd = random.Random(7)
+for i in range(0, size, 8 << 20):
+    m[i:i + (8 << 20)] = rnd.randbytes(8 << 20)
+m[size // 3: size // 3 + (16 << 20)] = bytes(16 << 20)  # a zero run: zero pieces
+open(f"{d}/ready", "w").close()
+while True:
+    time.sleep(1)
+"""
+CRIUS = [c for c in (shutil.which("criu"), "/opt/gpusnap-criu42/bin/criu") if c and os.path.exists(c)]
+
+
+def _wait(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def _artifact(store_dir: Path, digest: str) -> tuple[list[dict], dict]:
+    store = OciStore(store_dir)
+    manifest = json.loads(store.blob_path(digest).read_bytes())
+    config = json.loads(store.blob_path(manifest["config"]["digest"]).read_bytes())
+    config.pop("created", None)
+    return manifest["layers"], config
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="criu dump needs root")
+@pytest.mark.skipif(not CRIUS, reason="criu not installed (run tests/host/provision.sh)")
+@pytest.mark.parametrize("criu", CRIUS)
+def test_store_follows_a_real_criu_dump(tmp_path: Path, criu: str) -> None:
+    (tmp_path / "holder.py").write_text(HOLDER)
+    with open(tmp_path / "out", "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "holder.py"), str(tmp_path), str(SIZE_MIB)],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    images = tmp_path / "images"
+    follower = None
+    try:
+        _wait(tmp_path / "ready")
+        follower = DumpFollower(OciStore(tmp_path / "followed"), images, compress=False, poll_s=0.005).start()
+        images.mkdir()
+        dump = subprocess.run([criu, "dump", "-t", str(proc.pid), "-D", str(images), "--leave-running", "-o", "dump.log"],
+                              capture_output=True, text=True, timeout=300)
+        log = (images / "dump.log").read_text() if (images / "dump.log").exists() else ""
+        assert dump.returncode == 0, f"criu dump failed: {dump.stderr}\n{log[-3000:]}"
+        (images / "dump.log").unlink()
+        while_dumping = follower.bytes_while_dumping
+        stored = api.store_checkpoint(tmp_path / "followed", images, form="criu-dir", ref="local/f:1", follower=follower)
+        follower = None
+    finally:
+        if follower is not None:
+            follower.close()
+        proc.kill()
+        proc.wait()
+    pages = sum(p.stat().st_size for p in images.glob("pages-*.img"))
+    assert pages > SIZE_MIB * MIB * 0.9
+    # CRIU's pagemap reached the disk during the dump, and the follower packed from it
+    assert while_dumping >= 128 * MIB, f"only {while_dumping} of {pages} bytes packed while CRIU wrote"
+    finished = api.store_checkpoint(tmp_path / "finished", images, form="criu-dir", ref="local/f:1")
+    assert _artifact(tmp_path / "followed", stored.digest) == _artifact(tmp_path / "finished", finished.digest)
+    out = tmp_path / "out-images"
+    api.materialize_checkpoint(tmp_path / "followed", "local/f:1", out, form="criu-dir")
+    for f in images.iterdir():
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name
