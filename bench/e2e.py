@@ -688,6 +688,18 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
             r["ck0"] = {"seconds": c0.seconds, "timings_s": j0.get("timings_s", {}), "size": j0.get("size"), "store_bytes": tree_bytes(store_a)}
             say(f"{w.name}: checkpoint (store only) {c0.seconds:.2f} s {j0.get('timings_s')}")
             shutil.rmtree(store_a, ignore_errors=True)
+            # The same, stored while CRIU writes (the default): what a checkpoint without
+            # --push costs end to end, and how much the dump slows with a store beside it.
+            say(f"{w.name}: gpusnap checkpoint --leave-running (store only, while CRIU writes, empty store)")
+            c0f = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--json"], env=env.cli_env(store_a))
+            r["rss"].append(rss_row("checkpoint (store only, while CRIU writes)", c0f))
+            c0f.check()
+            j0f = c0f.json()
+            r["ck0f"] = {"seconds": c0f.seconds, "timings_s": j0f.get("timings_s", {}), "size": j0f.get("size"),
+                         "stored_while_dumping": j0f.get("stored_while_dumping", 0)}
+            say(f"{w.name}: checkpoint (store only, while CRIU writes) {c0f.seconds:.2f} s {j0f.get('timings_s')}; "
+                f"{gb(j0f.get('stored_while_dumping', 0)):.2f} GB stored before the dump ended")
+            shutil.rmtree(store_a, ignore_errors=True)
         need(env, 30 + 8 * gb(r["image_bytes"]), "the checkpoints")
         reg0 = tree_bytes(reg_data)
         say(f"{w.name}: gpusnap checkpoint --leave-running --push {remote}:1 (empty store, empty repository)")
@@ -857,9 +869,17 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             sent = ck1.get("registry_bytes") or size
             if ps:
                 row(f"  of which push ({gb(sent):.2f} GB sent; GB/s of those)", ps, f"{gb(sent) / ps / http:.2f}x HTTP upload floor" if http else "", rate_bytes=sent)
+        ck0f = w.get("ck0f")
+        if ck0f:
+            t0f = ck0f["timings_s"]
+            row("checkpoint without --push (stored while CRIU writes), end to end", ck0f["seconds"],
+                f"{ck0f['seconds'] / bare_ck:.2f}x by hand" if bare_ck else "")
+            row("  of which checkpoint (CRIU + GPU, the store beside it)", t0f.get("checkpoint"),
+                f"{t0f['checkpoint'] / bare_ck:.2f}x by hand" if bare_ck and t0f.get("checkpoint") else "")
+            row("  of which store of the rest, after the dump", t0f.get("store the checkpoint"))
         ck0 = w.get("ck0")
         if ck0:
-            row("checkpoint without --push, end to end", ck0["seconds"], f"{ck0['seconds'] / bare_ck:.2f}x by hand" if bare_ck else "")
+            row("checkpoint without --push (stored after the dump), end to end", ck0["seconds"], f"{ck0['seconds'] / bare_ck:.2f}x by hand" if bare_ck else "")
             st0 = ck0["timings_s"].get("store the checkpoint")
             if st0:
                 row("  of which store", st0, f"{gb(size) / st0 / io_floor:.2f}x min(SHA-256 x cores, disk write)", f">= {store_target} GB/s", gb(size) / st0 >= store_target)

@@ -372,16 +372,22 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
                and getattr(eng, "DUMPS_INTO_DEST", False) and hasattr(api, "follow_checkpoint"))
     transfer: list[Any] = []
 
-    def start_pipeline() -> None:
+    def start_pipeline() -> Any:
         cm = _transfer(progress, f"push {push}")
         bar = cm.__enter__()
         transfer.append(cm)
         state["pipeline"] = api.start_push(settings.store_dir, push, insecure=insecure, progress=bar)
+        return state["pipeline"]
 
     def follow() -> None:
+        on_blob = None
         if pipelined:
-            start_pipeline()
-        on_blob = state["pipeline"].on_blob if pipelined else None
+            # Made on a thread: the registry client's imports may still be loading (_preload),
+            # and the dump need not wait for them; the first pack is ready seconds later.
+            ready = state["pipeline_ready"] = _background(start_pipeline, name="gpusnap-push-start")
+
+            def on_blob(desc: Any) -> None:
+                ready.result().on_blob(desc)
         state["follower"] = api.follow_checkpoint(settings.store_dir, dest, compress=opts.compress, on_blob=on_blob)
 
     def unfollow() -> None:
@@ -394,7 +400,9 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         progress(f"storing {local}" + (f" and pushing it to {push}" if pipelined else ""))
         sealed = {"encryption": encryption} if encryption is not None else {}
         if pipelined:
-            if "pipeline" not in state:
+            if "pipeline_ready" in state:
+                state.pop("pipeline_ready").result()
+            else:
                 start_pipeline()
             sealed["on_blob"] = state["pipeline"].on_blob
         try:
@@ -408,6 +416,12 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         stage(workdirs.STORED)
 
     def end_pipeline() -> None:
+        ready = state.pop("pipeline_ready", None)
+        if ready is not None:
+            try:
+                ready.result()
+            except Exception:  # noqa: BLE001 - it never started: nothing to cancel
+                pass
         pipeline = state.pop("pipeline", None)
         if pipeline is not None:
             pipeline.cancel()
