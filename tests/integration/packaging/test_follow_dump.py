@@ -3,7 +3,6 @@ still writing them, and the artifact is the one a store of the finished director
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,6 +15,9 @@ import pytest
 from gpusnap.packaging import api
 from gpusnap.packaging.follow import DumpFollower
 from gpusnap.packaging.store import OciStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: stored_artifacts
+from stored_artifacts import layers_and_config as _artifact  # noqa: E402
 
 MIB = 1 << 20
 SIZE_MIB = 768  # CRIU flushes a pagemap every ~270 entries of up to 1 MiB: this one flushes during the dump
@@ -39,14 +41,6 @@ def _wait(path: Path, timeout: float = 120) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} did not appear"
         time.sleep(0.05)
-
-
-def _artifact(store_dir: Path, digest: str) -> tuple[list[dict], dict]:
-    store = OciStore(store_dir)
-    manifest = json.loads(store.blob_path(digest).read_bytes())
-    config = json.loads(store.blob_path(manifest["config"]["digest"]).read_bytes())
-    config.pop("created", None)
-    return manifest["layers"], config
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="criu dump needs root")

@@ -9,7 +9,6 @@ directories of tests/integration/packaging/test_follow_dump.py.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import sys
 import threading
@@ -28,6 +27,7 @@ from gpusnap.packaging.store import OciStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: criu_images
 from criu_images import present_pagemap  # noqa: E402
+from stored_artifacts import layers_and_config as _artifact  # noqa: E402
 
 PAGE = PAGE_SIZE
 PARAMS = packing.PackParams(window=256 << 10, pack_target=1 << 20)  # small windows and packs: many of each (abort test)
@@ -120,15 +120,6 @@ def _entry_ends(image: bytes, pos: int) -> list[int]:
         pos += 4 + ln
         out.append(pos)
     return out
-
-
-def _artifact(store_dir: Path, digest: str) -> tuple[list[dict], dict]:
-    """A stored artifact's layers and config, but for the config's creation time."""
-    store = OciStore(store_dir)
-    manifest = json.loads(store.blob_path(digest).read_bytes())
-    config = json.loads(store.blob_path(manifest["config"]["digest"]).read_bytes())
-    config.pop("created", None)
-    return manifest["layers"], config
 
 
 def _store_finished(tmp: Path, src: Path, name: str) -> tuple[list[dict], dict]:
