@@ -867,7 +867,9 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 row("  of which store (with the uploads a pipelined push overlaps)", st, f"{gb(size) / st / io_floor:.2f}x min(SHA-256 x cores, disk)")
             ps = t1.get("push the checkpoint")
             sent = ck1.get("registry_bytes") or size
-            if ps:
+            if ps and early:  # the packs went up during the dump: this step is the last uploads and the manifest
+                row(f"  of which the last uploads and the manifest ({gb(sent):.2f} GB sent in all)", ps, rate_bytes=0)
+            elif ps:
                 row(f"  of which push ({gb(sent):.2f} GB sent; GB/s of those)", ps, f"{gb(sent) / ps / http:.2f}x HTTP upload floor" if http else "", rate_bytes=sent)
         ck0f = w.get("ck0f")
         if ck0f:
