@@ -152,11 +152,13 @@ def _store_checkpoint(store_dir: Path, source: Path, *, form: str, ref: str, met
     _check_form(form)
     source = Path(source)
     ref = normalize_ref(ref)
-    # The follower's packs are pending in its own store object until the tag publishes them.
-    same = follower is not None and Path(follower.store.root) == Path(store_dir)
-    store = follower.store if same else OciStore(Path(store_dir))
-    if follower is not None and not same:
-        follower.abort()
+    # A follower packs format v2 pieces of a criu-dir into this store; its packs are pending in
+    # its own store object until the tag publishes them, so that object is the one used here.
+    usable = (follower is not None and Path(follower.store.root) == Path(store_dir) and form == "criu-dir"
+              and encryption is None)
+    store = follower.store if usable else OciStore(Path(store_dir))
+    if follower is not None and not usable:
+        follower.abort()  # another layout, or v1 layers: the store starts from the files
         follower = None
     if form == "podman-archive":
         if not source.is_file():
@@ -169,19 +171,13 @@ def _store_checkpoint(store_dir: Path, source: Path, *, form: str, ref: str, met
     parent_digest = store.resolve(parent).digest if parent else None
     with store.writing():
         followed = None
-        if follower is not None:
-            if form != "criu-dir" or encryption is not None:
-                follower.abort()  # v1 layers or another layout: the store starts from the files
-            else:
-                from gpusnap.packaging.follow import FollowMismatch
+        if follower is not None:  # any other failure of finish() is aborted by close() in store_checkpoint
+            from gpusnap.packaging.follow import FollowMismatch
 
-                try:
-                    followed = follower.finish()
-                except FollowMismatch:
-                    follower.abort()  # what it read is not what CRIU left: store the finished files
-                except BaseException:
-                    follower.abort()
-                    raise
+            try:
+                followed = follower.finish()
+            except FollowMismatch:
+                follower.abort()  # what it read is not what CRIU left: store the finished files
         try:
             built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest,
                                       on_blob=on_blob if encryption is None else None,

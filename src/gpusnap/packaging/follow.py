@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.packaging.pagemap import PAGE_SIZE, PAGEMAP_NAME, PagemapReader, merge_contiguous
+from gpusnap.packaging.pagemap import PAGE_SIZE, PAGEMAP_NAME, PageRange, PagemapReader, merge_contiguous
 from gpusnap.packaging.pstree import ImageFormatError
 from gpusnap.packaging.store import OciStore
 
@@ -68,7 +68,9 @@ class _Track:
     reader: PagemapReader | None = None
     pagemap_fd: int = -1
     pagemap_read: int = 0
-    cuts: Any = None  # numpy array: the final cuts known
+    merged: list[PageRange] = field(default_factory=list)  # the pagemap's ranges so far, contiguous ones merged
+    cuts: Any = None  # numpy array: the final cuts known (computed again only when ``merged`` grows)
+    final: bool = False  # ``cuts`` are the whole file's
     at: int = 0  # index in ``cuts`` where the next window starts
     done: bool = False
     skipped: bool = False  # no usable pagemap: build_artifact stores it the usual way
@@ -260,26 +262,34 @@ class DumpFollower:
                 return False
             t.reader = PagemapReader()
             t.pagemap_fd = os.open(self.dir / name, os.O_RDONLY | os.O_CLOEXEC)
+        new: list[PageRange] = []
         try:
             while chunk := os.pread(t.pagemap_fd, _READ, t.pagemap_read):
                 t.pagemap_read += len(chunk)
-                t.reader.feed(chunk)
+                new += t.reader.feed(chunk)
         except ImageFormatError:
             return self._unusable(t, whole)
         size = os.fstat(t.fd).st_size
-        ranges = merge_contiguous(t.reader.ranges)
-        if whole:
-            if t.reader.pending or not ranges or sum(r.nr_pages for r in ranges) * PAGE_SIZE != size:
-                return self._unusable(t, True)
-            cuts = packing.AlignedCutter(ranges, self.params.piece_pages).cuts
-        else:
-            if not ranges:
-                return False
-            cuts = packing.AlignedCutter(ranges, self.params.piece_pages).cuts[:-1]  # the last range may grow
-        used = t.cuts[: t.at + 1] if t.started else cuts[:0]
-        if len(cuts) < len(used) or not np.array_equal(cuts[: len(used)], used):
-            raise FollowMismatch(f"{t.name}: its pagemap changed after part of it was stored")
-        t.cuts = cuts
+        if new:  # only the last merged range can join the new ones
+            t.merged[-1:] = merge_contiguous(t.merged[-1:] + new)
+        if new or (whole and not t.final):
+            ranges = t.merged
+            if whole:
+                if t.reader.pending or not ranges or sum(r.nr_pages for r in ranges) * PAGE_SIZE != size:
+                    return self._unusable(t, True)
+                cuts = packing.AlignedCutter(ranges, self.params.piece_pages).cuts
+                t.final = True
+            else:
+                if not ranges:
+                    return False
+                cuts = packing.AlignedCutter(ranges, self.params.piece_pages).cuts[:-1]  # the last range may grow
+            used = t.cuts[: t.at + 1] if t.started else cuts[:0]
+            if len(cuts) < len(used) or not np.array_equal(cuts[: len(used)], used):
+                raise FollowMismatch(f"{t.name}: its pagemap changed after part of it was stored")
+            t.cuts = cuts
+        elif t.cuts is None:
+            return False  # no range yet
+        cuts = t.cuts
         per = self.params.window // PAGE_SIZE
         avail = size // PAGE_SIZE
         progressed = False
@@ -325,10 +335,3 @@ class DumpFollower:
             raise FollowMismatch(f"{t.name}: its finished pagemap does not describe the part already stored")
         t.skipped = True
         return False
-
-
-def follow(store_dir: Path, directory: Path, *, compress: bool, parent_digest: str | None = None, on_blob: Any = None,
-           workers: int | None = None) -> DumpFollower:
-    """Start a :class:`DumpFollower` on ``directory`` for the store at ``store_dir``."""
-    return DumpFollower(OciStore(Path(store_dir)), directory, compress=compress, parent=parent_digest, on_blob=on_blob,
-                        workers=workers).start()
