@@ -97,10 +97,19 @@ def _child(stage: str, args: dict) -> None:
         from gpusnap.packaging import fetch
         from gpusnap.packaging.store import OciStore
 
+        # Exploration knobs (what limits the pull on a many-core host): the transfer count and
+        # the interpreter's GIL switch interval.
+        if args.get("fetch_workers"):
+            fetch.fetch_workers = lambda _n, k=int(args["fetch_workers"]): k  # type: ignore[assignment]
+        if args.get("switch_interval"):
+            sys.setswitchinterval(float(args["switch_interval"]))
+
         rc = fetch.open_remote(args["remote"], insecure=True)
         assert rc.direct, "not fetchable directly"
         kw = {"staged": staged} if staged else {}
         fetch.fetch_into(OciStore(Path(args["store"])), rc, Path(args["dest"]), **kw)
+    elif stage == "write-floor":
+        _write_floor(Path(args["dest"]), int(args["bytes"]), int(args["threads"]), args["mode"])
     elif stage == "store":
         api.store_checkpoint(Path(args["store"]), Path(args["src"]), form="criu-dir", ref=args["ref"])
     elif stage == "push":
@@ -110,6 +119,58 @@ def _child(stage: str, args: dict) -> None:
     out["rss_mib"] = ru.ru_maxrss / 1024
     out["cpu_s"] = ru.ru_utime + ru.ru_stime
     print(json.dumps(out))
+
+
+def _write_floor(dest: Path, total: int, threads: int, mode: str) -> None:
+    """Writing ``total`` bytes into ``dest`` on ``threads`` threads, 2 MiB at a time, no
+    network, hashing or decompression: what the image directory's filesystem takes.
+    ``files``: each thread pwrites its own file; ``one``: all pwrite disjoint ranges of one file
+    (as a restore's pages file is written); ``single``: one thread writes all of one file; ``mmap``: all copy into one shared mapping of one
+    file with preadv from a source file (the kernel copies, the interpreter lock is released)."""
+    import mmap
+    import threading
+
+    dest.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(2 * MIB)
+    per = total // threads // len(block)
+    src = dest / "src"
+    src.write_bytes(block)
+    sfd = os.open(src, os.O_RDONLY)
+    one = dest / "one"
+    fd1 = os.open(one, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.ftruncate(fd1, per * threads * len(block))
+    mm = mmap.mmap(fd1, per * threads * len(block)) if mode == "mmap" else None
+
+    def work(i: int) -> None:
+        if mode == "files":
+            fd = os.open(dest / f"floor-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                for k in range(per):
+                    os.pwrite(fd, block, k * len(block))
+            finally:
+                os.close(fd)
+        elif mode == "single":  # one thread writes the whole file
+            for k in range(per * threads):
+                os.pwrite(fd1, block, k * len(block))
+        elif mode == "one":
+            for k in range(per):
+                os.pwrite(fd1, block, (i * per + k) * len(block))
+        else:
+            view = memoryview(mm)  # type: ignore[arg-type]
+            for k in range(per):
+                at = (i * per + k) * len(block)
+                os.preadv(sfd, [view[at:at + len(block)]], 0)
+            view.release()
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(1 if mode == "single" else threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if mm is not None:
+        mm.close()
+    os.close(fd1)
+    os.close(sfd)
 
 
 def _profiled_child(stage: str, args: dict) -> None:
@@ -124,11 +185,11 @@ def _profiled_child(stage: str, args: dict) -> None:
     cProfile.runctx("_child(stage, args)", globals(), {"stage": stage, "args": args}, str(Path(where) / f"{stage}.prof"))
 
 
-def run(stage: str, **kw: str) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--child", stage, json.dumps(kw)], capture_output=True, text=True)
+def run(stage: str, prefix: list[str] | None = None, **kw: str) -> dict:
+    p = subprocess.run([*(prefix or []), sys.executable, __file__, "--child", stage, json.dumps(kw)], capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(f"{stage} failed: {p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])  # py-spy prints too
 
 
 def _staged(r: dict) -> str:
@@ -150,6 +211,11 @@ def main() -> int:
     ap.add_argument("--upper-mib", type=int, default=0, help="also a random rootfs-upper.tar of this size (an overlay container's)")
     ap.add_argument("--staged", action="store_true", help="write as a restore does: all but the pages, then the pages (prints when "
                     "the first stage was in place)")
+    ap.add_argument("--fetch-variants", default="", help="more fetch rounds, comma-separated: wN (N transfers), sS (GIL switch "
+                    "interval S seconds), joined with '+', e.g. 'w8,w32,s0.0005,w32+s0.0005'")
+    ap.add_argument("--write-floor", action="store_true", help="also time plain 2 MiB pwrites of the same size into --dest (16 threads)")
+    ap.add_argument("--profile-fetch", type=Path, help="run the first fetch under py-spy (where installed): --gil samples, "
+                    "collapsed stacks in this folder (what holds the interpreter lock, and how much of the time)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("child_args", nargs="?", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -182,15 +248,37 @@ def main() -> int:
             remote = f"{reg.host}/bench/ck:1"
             r = run("push", store=str(store), ref="bench/ck:1", remote=remote)
             print(f"push: {r['seconds']:.2f} s", flush=True)
-            for i in range(a.rounds):
+            rounds: list[dict[str, str]] = [{} for _ in range(a.rounds)]
+            for v in filter(None, a.fetch_variants.split(",")):
+                knobs: dict[str, str] = {}
+                for part in v.split("+"):
+                    knobs["fetch_workers" if part[0] == "w" else "switch_interval"] = part[1:]
+                rounds.append(knobs)
+            for i, knobs in enumerate(rounds):
                 empty = Path(tempfile.mkdtemp(dir=a.work, prefix="empty-store-"))
                 dest = a.dest / f"f{i}"
-                r = run("fetch", store=str(empty), remote=remote, dest=str(dest), staged=a.staged)
+                prefix = None
+                if i == 0 and a.profile_fetch and shutil.which("py-spy"):
+                    a.profile_fetch.mkdir(parents=True, exist_ok=True)
+                    prefix = ["py-spy", "record", "--gil", "--threads", "--rate", "250", "--format", "raw", "--nonblocking",
+                              "-o", str(a.profile_fetch / "fetch-gil.txt"), "--"]
+                r = run("fetch", prefix, store=str(empty), remote=remote, dest=str(dest), staged=a.staged, **knobs)
+                if prefix:
+                    r["profiled"] = True
+                r["knobs"] = knobs
                 res["fetch"].append(r)
-                print(f"fetch -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s){_staged(r)}, CPU {r['cpu_s']:.2f} s, "
-                      f"peak RSS {r['rss_mib']:.0f} MiB", flush=True)
+                print(f"fetch -> {a.dest}{' ' + str(knobs) if knobs else ''}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s)"
+                      f"{_staged(r)}, CPU {r['cpu_s']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
                 drop(dest)
                 drop(empty)
+    if a.write_floor:
+        for mode in ("files", "one", "single", "mmap"):
+            dest = a.dest / "floor"
+            r = run("write-floor", dest=str(dest), bytes=str(size), threads="16", mode=mode)
+            res[f"write_floor_{mode}"] = r
+            print(f"write floor ({mode}) -> {a.dest}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s), CPU {r['cpu_s']:.2f} s, "
+                  "16 threads, 2 MiB at a time", flush=True)
+            drop(dest)
     print(json.dumps(res))
     drop(a.work)
     drop(a.dest)

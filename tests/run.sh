@@ -14,8 +14,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[test]'
 export PATH="$PWD/.venv/bin:$PATH"
-# The integration suite writes real CRIU images, stores and registries: 7 GB at its peak when passed tests leave nothing (measured on CI)
-# under /tmp. Say so up front rather than fail hundreds of tests on ENOSPC.
+# The integration suite writes real CRIU images, stores and registries under /tmp: about 7 GB at
+# its peak (measured on CI; passed tests' folders are removed as they pass). Say what is free up
+# front: a full disk otherwise shows up as hundreds of unrelated errors.
 free_gb=$(( $(df --output=avail -k "${TMPDIR:-/tmp}" | tail -1) / 1048576 ))
 echo "tests/run.sh: ${free_gb} GB free in ${TMPDIR:-/tmp}"
 if [ "$free_gb" -lt 15 ]; then
