@@ -106,7 +106,9 @@ def _child(stage: str, args: dict) -> None:
 
         rc = fetch.open_remote(args["remote"], insecure=True)
         assert rc.direct, "not fetchable directly"
-        kw = {"staged": staged} if staged else {}
+        kw: dict = {"staged": staged} if staged else {}
+        if "processes" in args:
+            kw["processes"] = int(args["processes"])
         fetch.fetch_into(OciStore(Path(args["store"])), rc, Path(args["dest"]), **kw)
     elif stage == "write-floor":
         _write_floor(Path(args["dest"]), int(args["bytes"]), int(args["threads"]), args["mode"])
@@ -212,7 +214,9 @@ def main() -> int:
     ap.add_argument("--staged", action="store_true", help="write as a restore does: all but the pages, then the pages (prints when "
                     "the first stage was in place)")
     ap.add_argument("--fetch-variants", default="", help="more fetch rounds, comma-separated: wN (N transfers), sS (GIL switch "
-                    "interval S seconds), joined with '+', e.g. 'w8,w32,s0.0005,w32+s0.0005'")
+                    "interval S seconds), pN (N transfer processes; p0: none), joined with '+', e.g. 'w8,p0,p4,p8'")
+    ap.add_argument("--parallel-fetches", default="", help="also K fetch processes at once (comma-separated Ks, e.g. '2,4'), each "
+                    "into its own directory with 16/K transfers: does the pull scale with processes (an in-process limit) or not?")
     ap.add_argument("--write-floor", action="store_true", help="also time plain 2 MiB pwrites of the same size into --dest (16 threads)")
     ap.add_argument("--profile-fetch", type=Path, help="run the first fetch under py-spy (where installed): --gil samples, "
                     "collapsed stacks in this folder (what holds the interpreter lock, and how much of the time)")
@@ -252,7 +256,7 @@ def main() -> int:
             for v in filter(None, a.fetch_variants.split(",")):
                 knobs: dict[str, str] = {}
                 for part in v.split("+"):
-                    knobs["fetch_workers" if part[0] == "w" else "switch_interval"] = part[1:]
+                    knobs[{"w": "fetch_workers", "s": "switch_interval", "p": "processes"}[part[0]]] = part[1:]
                 rounds.append(knobs)
             for i, knobs in enumerate(rounds):
                 empty = Path(tempfile.mkdtemp(dir=a.work, prefix="empty-store-"))
@@ -271,6 +275,26 @@ def main() -> int:
                       f"{_staged(r)}, CPU {r['cpu_s']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
                 drop(dest)
                 drop(empty)
+    if a.registry and a.parallel_fetches:
+        with Registry(a.work / "registry", range(5490, 5499)) as reg:
+            remote = f"{reg.host}/bench/ck:1"
+            for k in (int(x) for x in a.parallel_fetches.split(",")):
+                procs, empties = [], []
+                t0 = time.perf_counter()
+                for j in range(k):
+                    empty = Path(tempfile.mkdtemp(dir=a.work, prefix="empty-store-"))
+                    empties.append(empty)
+                    kw = {"store": str(empty), "remote": remote, "dest": str(a.dest / f"p{j}"), "fetch_workers": str(max(1, 16 // k))}
+                    procs.append(subprocess.Popen([sys.executable, __file__, "--child", "fetch", json.dumps(kw)], stdout=subprocess.PIPE, text=True))
+                outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+                secs = time.perf_counter() - t0
+                res[f"parallel_{k}"] = {"seconds": secs, "children": outs}
+                print(f"{k} fetch processes at once -> {a.dest}: {secs:.2f} s ({k * gb / secs:.2f} GB/s together), CPU "
+                      f"{sum(o['cpu_s'] for o in outs):.2f} s", flush=True)
+                for j in range(k):
+                    drop(a.dest / f"p{j}")
+                for e in empties:
+                    drop(e)
     if a.write_floor:
         for mode in ("files", "one", "single", "mmap"):
             dest = a.dest / "floor"

@@ -71,6 +71,9 @@ class Settings:
     # Whether a checkpoint whose engine dumps into gpusnap's own directory (runc-direct) is
     # stored, and pushed, while CRIU writes it (gpusnap.packaging.follow); false: after the dump.
     store_while_dumping: bool = True
+    # Transfer processes of a restore from a registry (gpusnap.packaging.fetch_worker): None =
+    # chosen from the pull's size and the cores; 0 = all in the gpusnap process.
+    fetch_processes: int | None = None
 
 
 _ENV = {
@@ -87,6 +90,7 @@ _ENV = {
     "GPUSNAP_SUBNET": "network_subnet",
     "GPUSNAP_NET_PREFIX": "network_prefix",
     "GPUSNAP_STORE_WHILE_DUMPING": "store_while_dumping",
+    "GPUSNAP_FETCH_PROCESSES": "fetch_processes",
 }
 
 _FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"root"}
@@ -108,6 +112,13 @@ def _coerce(name: str, value: object, source: str) -> object:
         return HostPaths(Path(str(value)))
     if name in ("run_dir", "state_dir", "store_dir"):
         return Path(str(value))
+    if name == "fetch_processes":
+        text = str(value).strip().lower()
+        if text == "auto":
+            return None
+        if not text.isdigit() or int(text) > 64:
+            raise UsageError(f"{source}: fetch_processes must be auto or a whole number from 0 to 64, got {value!r}")
+        return int(text)
     if name == "lock_timeout_ms":
         try:
             return int(str(value))

@@ -604,7 +604,8 @@ def restore(
 
                 def fetch(staged: Callable[[], None], cancel: threading.Event) -> Any:
                     with bars as bar:  # the progress bar ends with the download
-                        return fetch_into(settings.store_dir, rc, local, progress=bar, staged=staged, cancel=cancel)
+                        return fetch_into(settings.store_dir, rc, local, progress=bar, staged=staged, cancel=cancel,
+                                          processes=settings.fetch_processes)
 
                 images = imagedir.ImageJob(fetch, name="gpusnap-fetch").start()
                 images.what = "pull into the image directory"

@@ -52,7 +52,9 @@ import zstandard
 
 from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, RegistryError, UsageError
 from gpusnap.packaging import artifact as fmt
+from gpusnap.packaging import fetch_procs
 from gpusnap.packaging import layout as lay
+from gpusnap.packaging.fetch_procs import Aborted as _Aborted
 from gpusnap.packaging.progress import NullProgress, Progress
 from gpusnap.packaging.registry import (
     RECV_SIZE,
@@ -406,10 +408,6 @@ class _TempSink:
         self.file.seek(0)
 
 
-class _Aborted(Exception):
-    """Another transfer of the same fetch failed: stop this one."""
-
-
 @dataclass
 class FetchResult:
     dest: Path
@@ -421,8 +419,11 @@ class FetchResult:
 
 
 class _Fetch:
-    def __init__(self, rc: RemoteCheckpoint, progress: Progress) -> None:
-        self.rc, self.client, self.repo = rc, rc.client, rc.ref.repository
+    """The downloads of one fetch against ``client``'s registry, repository ``repo``: in the
+    fetching process, or in a transfer process (gpusnap.packaging.fetch_worker)."""
+
+    def __init__(self, client: RegistryClient, repo: str, progress: Progress) -> None:
+        self.client, self.repo = client, repo
         self.progress = progress
         self.abort = threading.Event()
         self.cancel: threading.Event | None = None
@@ -449,7 +450,7 @@ class _Fetch:
                                    headers=headers, ok=(200, 206), allow=(404,))
                 with r:
                     if r.status_code == 404:
-                        raise NotFoundError(f"blob {desc.digest} is missing from {self.rc.ref.registry}/{self.repo}")
+                        raise NotFoundError(f"blob {desc.digest} is missing from {client.registry}/{self.repo}")
                     if "Range" in headers and r.status_code == 200:  # the server ignored Range: the whole blob comes
                         if sink.size:
                             restarts += 1
@@ -482,13 +483,19 @@ class _Fetch:
     def stopped(self) -> bool:
         return self.abort.is_set() or (self.cancel is not None and self.cancel.is_set())
 
+    def advance(self, n: int) -> None:
+        """Bytes received (here or in a transfer process)."""
+        self.progress.advance(n)
+        self._count(n)
+
     def _count(self, n: int) -> None:
         with self._lock:
             self.received += n
 
 
 def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: Progress | None = None,
-               staged: Callable[[], None] | None = None, cancel: threading.Event | None = None) -> FetchResult:
+               staged: Callable[[], None] | None = None, cancel: threading.Event | None = None,
+               processes: int | None = None) -> FetchResult:
     """Write the checkpoint ``rc`` as its image directory ``dest``, straight from the registry.
 
     ``dest`` must not exist or be empty. Every blob and piece is verified; on any failure
@@ -500,6 +507,10 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
     they are all in, the directory is renamed into place and ``staged()`` is called while the
     pages files go on arriving (written in place). ``cancel``: set by the caller to stop the
     transfers (raises :class:`layout.Cancelled`). Either way a failure leaves nothing at ``dest``.
+
+    ``processes``: how many transfer processes download the blobs (the pages blobs, when
+    staged) — past one interpreter's lock (gpusnap.packaging.fetch_worker); 0: all in this
+    process; None: :func:`fetch_procs.auto_processes` decides from the size and the cores.
     """
     started = time.monotonic()
     if not rc.direct:
@@ -522,8 +533,9 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
     root = tmp  # where the tree is: ``dest`` once renamed (early when staged)
     fds: dict[str, int] = {}
-    fetch = _Fetch(rc, prog)
+    fetch = _Fetch(rc.client, rc.ref.repository, prog)
     fetch.cancel = cancel  # the caller's stop; ``abort`` is this fetch's own (a failed transfer sets it)
+    pool: fetch_procs.TransferProcesses | None = None
     try:
         for f in pl.files:
             fds[f.path] = _create_sparse(tmp, f.path, f.size)
@@ -560,12 +572,25 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         def blob_job(bp: BlobPlan) -> None:
             fetch.stream(bp.descriptor, _BlobRouter(bp, fds))
 
+        # The blobs that transfer processes download, if any: the pages when staged (the first
+        # stage is small and wanted soon), else all; the processes start now, while it runs.
+        far = rest if staged is not None else first + rest
+        far_files = late if staged is not None else set(fds)
+        n_procs = processes if processes is not None else fetch_procs.auto_processes(sum(blob_span(b)[1] - blob_span(b)[0] for b in far))
+        if far and n_procs > 0:
+            pool = fetch_procs.TransferProcesses(rc.client, rc.ref.repository, {p: fds[p] for p in far_files}, n_procs,
+                                                 on_bytes=fetch.advance, on_total=prog.add_total, stopped=fetch.stopped)
+            far_job: Callable[[BlobPlan], None] = pool.run
+        else:
+            far_job = blob_job
         jobs: list[Callable[[], None]] = [lambda d=d: tar_job(d) for d in pl.tar_layers]
-        jobs += [lambda b=b: blob_job(b) for b in first]
+        jobs += [lambda b=b: (blob_job if staged is not None else far_job)(b) for b in first]
         stage_one = len(jobs)
-        jobs += [lambda b=b: blob_job(b) for b in rest]
-        _run_all(jobs, fetch_workers(rc.client.workers), fetch.abort, (stage_one, in_place) if staged is not None else None,
-                 cancel=cancel)
+        jobs += [lambda b=b: far_job(b) for b in rest]
+        workers = max(fetch_workers(rc.client.workers), pool.slots if pool is not None else 0)
+        _run_all(jobs, workers, fetch.abort, (stage_one, in_place) if staged is not None else None, cancel=cancel)
+        if pool is not None:
+            pool.close()
         if cancel is not None and cancel.is_set():
             raise lay.Cancelled()
         finish([f for f in pl.files if f.path in fds])
@@ -575,6 +600,8 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
             os.replace(tmp, dest)
             root = dest
     except BaseException:
+        if pool is not None:
+            pool.close(kill=True)  # before the directory goes: no worker writes into it after
         for fd in fds.values():
             os.close(fd)
         shutil.rmtree(root, ignore_errors=True)

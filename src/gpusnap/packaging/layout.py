@@ -92,6 +92,18 @@ class BlobPlan:
     descriptor: Descriptor
     placements: list[Placement]  # sorted by blob_offset; one stored range may feed several placements
 
+    def to_wire(self) -> dict[str, Any]:
+        """As JSON, for a transfer process (gpusnap.packaging.fetch_worker)."""
+        return {"descriptor": self.descriptor.to_dict(),
+                "placements": [[p.path, p.file_offset, p.blob_offset, p.stored_length, p.raw_length, p.compressed,
+                                p.sha256.hex() if p.sha256 is not None else None] for p in self.placements]}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> "BlobPlan":
+        return cls(Descriptor.from_dict(wire["descriptor"]),
+                   [Placement(path, fo, bo, sl, rl, bool(z), bytes.fromhex(h) if h is not None else None)
+                    for path, fo, bo, sl, rl, z, h in wire["placements"]])
+
 
 @dataclass
 class Layout:

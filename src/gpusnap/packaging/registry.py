@@ -164,6 +164,17 @@ class RegistryClient:
             self._local.session = session
         return session
 
+    def auth_state(self) -> dict[str, str]:
+        """The Authorization values earned so far (scope → header): what another process
+        talking to the same registry for this client adopts (:meth:`adopt_auth`) instead of
+        asking the token service again."""
+        with self._lock:
+            return dict(self._auth)
+
+    def adopt_auth(self, state: dict[str, str]) -> None:
+        with self._lock:
+            self._auth.update(state)
+
     # ---- auth ---------------------------------------------------------------------------------
     def _authorize(self, scope: str, challenge_header: str) -> None:
         scheme, params = _parse_challenge(challenge_header)

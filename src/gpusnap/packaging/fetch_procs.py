@@ -1,0 +1,183 @@
+"""The fetching side of transfer processes (gpusnap.packaging.fetch_worker says why they exist).
+
+:class:`TransferProcesses` starts the workers with the image directory's files open in them and
+hands out blobs one at a time: :meth:`run` sends a blob to the least busy worker and returns
+when it is written and verified, raising what the worker raised. Called from the fetch's own
+pool threads, so the order of the jobs, the staging and the first-failure-stops-all rule stay
+those of :func:`gpusnap.packaging.fetch._run_all`. A worker that dies fails its blobs; any
+failure or stop kills them all (their half-written pieces are in a directory the fetch
+removes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import asdict
+from typing import IO, Any
+
+from gpusnap import errors
+from gpusnap.packaging import layout as lay
+from gpusnap.packaging.registry import RegistryClient
+
+# Below this many bytes of blobs a fetch stays in its own process: a worker takes a few hundred
+# milliseconds to start, which a small pull does not win back.
+MIN_BYTES = 512 << 20
+THREADS_PER_PROCESS = 2  # one stream per core is what a worker's interpreter keeps fed
+MAX_PROCESSES = 8
+
+
+class Aborted(Exception):
+    """The fetch stopped (another transfer failed, or its caller's cancel) while this blob
+    was out: not an error of its own."""
+
+
+def auto_processes(blob_bytes: int, cores: int | None = None) -> int:
+    """How many transfer processes a fetch of ``blob_bytes`` uses on its own: none on a small
+    pull or a host of under 4 cores (there the cores, not the interpreter lock, are the limit),
+    else one per two cores, at most MAX_PROCESSES."""
+    cores = cores or os.cpu_count() or 1
+    if blob_bytes < MIN_BYTES or cores < 4:
+        return 0
+    return max(2, min(MAX_PROCESSES, cores // THREADS_PER_PROCESS))
+
+
+class _Worker:
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.busy = 0
+        self.dead = False
+        self.pending: dict[int, Future[None]] = {}
+        self.reader: threading.Thread | None = None
+
+
+class TransferProcesses:
+    def __init__(self, client: RegistryClient, repository: str, fds: dict[str, int], processes: int, *,
+                 on_bytes: Callable[[int], None], on_total: Callable[[int], None], stopped: Callable[[], bool],
+                 threads: int = THREADS_PER_PROCESS) -> None:
+        self.stopped = stopped
+        self._on_bytes, self._on_total = on_bytes, on_total
+        self._lock = threading.Lock()
+        self._next = 0
+        self._closed = False
+        self.slots = processes * threads
+        init = {
+            "parent": os.getpid(), "registry": client.registry, "insecure": client.base.startswith("http://"),
+            "credentials": asdict(client.creds) if client.creds else None, "auth": client.auth_state(),
+            "retries": client.retries, "backoff_s": client.backoff_s, "timeout_s": client.timeout_s,
+            "repository": repository, "fds": fds, "threads": threads,
+        }
+        self.workers: list[_Worker] = []
+        try:
+            for _ in range(processes):
+                # stderr to /dev/null: a worker says what went wrong on stdout, as one line the
+                # fetch raises; nothing of it should reach the user's terminal.
+                proc = subprocess.Popen([sys.executable, "-m", "gpusnap.packaging.fetch_worker"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=tuple(fds.values()),
+                                        text=True, bufsize=1)
+                w = _Worker(proc)
+                self.workers.append(w)
+                self._send(w, init)
+                w.reader = threading.Thread(target=self._read, args=(w,), name="gpusnap-fetch-worker-reader", daemon=True)
+                w.reader.start()
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def _send(self, w: _Worker, message: dict[str, Any]) -> None:
+        stdin: IO[str] = w.proc.stdin  # type: ignore[assignment]
+        stdin.write(json.dumps(message) + "\n")
+        stdin.flush()
+
+    def _read(self, w: _Worker) -> None:
+        stdout: IO[str] = w.proc.stdout  # type: ignore[assignment]
+        for line in stdout:
+            msg = json.loads(line)
+            if "n" in msg:
+                self._on_bytes(int(msg["n"]))
+            elif "total" in msg:
+                self._on_total(int(msg["total"]))
+            else:
+                with self._lock:
+                    fut = w.pending.pop(int(msg["id"]), None)
+                if fut is None:
+                    continue
+                if msg.get("ok"):
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(_error(msg))
+        code = w.proc.wait()
+        with self._lock:
+            w.dead = True
+            left, w.pending = list(w.pending.values()), {}
+            closed = self._closed
+        for fut in left:
+            fut.set_exception(Aborted() if closed or self.stopped() else errors.GpusnapError(
+                f"a pull transfer process ended unexpectedly (exit status {code}); try again"))
+
+    def run(self, bp: lay.BlobPlan) -> None:
+        """Download and write ``bp`` in a worker; raises what the worker raised, or
+        :class:`Aborted` if the fetch stopped meanwhile."""
+        fut: Future[None] = Future()
+        with self._lock:
+            if self._closed:
+                raise Aborted()
+            alive = [x for x in self.workers if not x.dead]
+            if not alive:
+                raise errors.GpusnapError("every pull transfer process ended unexpectedly; try again")
+            w = min(alive, key=lambda x: x.busy)
+            w.busy += 1
+            job = self._next
+            self._next += 1
+            w.pending[job] = fut
+        try:
+            try:
+                self._send(w, {"id": job, "blob": bp.to_wire()})
+            except OSError:  # the worker is gone; its reader fails the job
+                pass
+            while not wait_futures([fut], timeout=0.1).done:
+                if self.stopped():
+                    self.close(kill=True)  # a stop ends every transfer now, not after its blob
+            fut.result()
+        finally:
+            with self._lock:
+                w.busy -= 1
+
+    def close(self, kill: bool = False) -> None:
+        """No more work: let the workers finish and exit (``kill``: end them now)."""
+        with self._lock:
+            if self._closed and not kill:
+                return
+            self._closed = True
+        for w in self.workers:
+            if kill and w.proc.poll() is None:
+                w.proc.kill()
+            try:
+                if w.proc.stdin is not None:
+                    w.proc.stdin.close()
+            except OSError:
+                pass
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            if w.reader is not None and w.reader is not threading.current_thread():
+                w.reader.join(timeout=5)
+
+
+def _error(msg: dict[str, Any]) -> BaseException:
+    name, text = str(msg.get("error")), str(msg.get("message"))
+    if name == "Aborted":
+        return Aborted()
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.GpusnapError):
+        return cls(text)
+    return errors.GpusnapError(text)
