@@ -710,16 +710,24 @@ def _image_dir(settings: Settings, work: Path, image_bytes: int, progress: Progr
     if base.is_dir():  # a killed restore's image: in memory until removed
         workdirs.sweep(base, recover=None, container_running=lambda record: _container_running(settings, record))
     if imagedir.on_memory(work):
-        return work / "checkpoint"
+        return _in_memory(work, image_bytes, progress, f"{work} is on a tmpfs")
     choice = imagedir.choose_base(base, image_bytes)
     if not choice.memory:
         progress(f"image directory on disk: {choice.reason}")
         return work / "checkpoint"
     base.mkdir(parents=True, exist_ok=True, mode=0o700)
     memory_work = memory.enter_context(workdirs.claim(base))
-    memory.callback(workdirs.release, memory_work)
-    progress(f"image directory in memory: {choice.reason}")
-    return memory_work / "checkpoint"
+    memory.callback(workdirs.release, memory_work)  # unmounts its image tmpfs first
+    return _in_memory(memory_work, image_bytes, progress, choice.reason)
+
+
+def _in_memory(work: Path, image_bytes: int, progress: Progress, reason: str) -> Path:
+    """The image directory in memory under ``work``: on a huge-page tmpfs of its own
+    (imagedir.mount_tmpfs) where one can be mounted, else on ``work``'s tmpfs. Unmounted
+    when ``work`` is released (workdirs.release), by this run or by the sweep after a kill."""
+    mounted = imagedir.mount_tmpfs(work, image_bytes)
+    progress(f"image directory in memory: {reason}{'; a huge-page tmpfs of its own' if mounted else ''}")
+    return (mounted or work) / "checkpoint"
 
 
 class _StageClock:

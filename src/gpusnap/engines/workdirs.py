@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -129,8 +130,38 @@ def claim(base: Path) -> Iterator[Path]:
         os.close(fd)
 
 
-def release(work: Path) -> None:
+def release(work: Path, *, mountinfo: str | None = None, run: Callable[[list[str]], object] | None = None) -> None:
+    """Remove ``work``, unmounting first what is mounted inside it (a restore's image tmpfs,
+    engines/imagedir.py: left mounted by a killed run, it would hold its memory until reboot)."""
+    for point in mounts_under(work, mountinfo):
+        (run or _umount)(["umount", "-l", point])  # lazy: a process that still has a file open there keeps it till it exits
     shutil.rmtree(work, ignore_errors=True)
+
+
+def mounts_under(path: Path, mountinfo: str | None = None) -> list[str]:
+    """Mount points at or below ``path`` (deepest first), from /proc/self/mountinfo."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return []
+    root = os.path.realpath(path)
+    points = []
+    for line in mountinfo.splitlines():
+        fields_ = line.split()
+        if len(fields_) < 5:
+            continue
+        point = fields_[4].encode().decode("unicode_escape") if "\\" in fields_[4] else fields_[4]
+        if point == root or point.startswith(root.rstrip("/") + "/"):
+            points.append(point)
+    return sorted(set(points), key=len, reverse=True)
+
+
+def _umount(argv: list[str]) -> None:
+    try:
+        subprocess.run(argv, capture_output=True, check=False)
+    except OSError:
+        pass
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """A restore writes its CRIU image directory on a tmpfs under the run dir when the image fits in
-free memory (engines/imagedir.py), removes it afterwards, and the container counts on; the
-restore's --json timings name its stages."""
+free memory (engines/imagedir.py) — a huge-page tmpfs of its own, mounted there — unmounts and
+removes it afterwards, and the container counts on; the restore's --json timings name its
+stages."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_restore_images_in_memory_then_gone(gs: Gs, registry: str, source: str) 
         out = gs("-v", "restore", ref, "--insecure", "--name", name + "-r", "--json")
         timings = json.loads(out.stdout)["timings_s"]
         assert "image directory in memory" in out.stderr, out.stderr
+        assert "a huge-page tmpfs of its own" in out.stderr, out.stderr  # imagedir.mount_tmpfs
         stage = "materialize" if source == "store" else "pull into the image directory"
         # The pages files are written on a thread of their own while the engine prepares the
         # container (orchestrate.restore): its lap is the first stage, its whole time is beside
@@ -40,9 +42,37 @@ def test_restore_images_in_memory_then_gone(gs: Gs, registry: str, source: str) 
         assert {f"{stage} (all but the pages files)", f"background: {stage}", "restore", "check the host",
                 "restore: wait for the checkpoint images", "restore: restore the container"} <= set(timings), timings
         assert list(mem.iterdir()) == [], "the in-memory image directory is removed after the restore"
+        assert str(mem) + "/" not in Path("/proc/self/mountinfo").read_text(), "its tmpfs is unmounted"
         after = wait_numbers(lambda: gs("logs", name + "-r").stdout, 2)
         assert after[0] >= last, (last, after)
     finally:
         for n in (name, name + "-r"):
             gs("delete", n, check=False)
         subprocess.run(["umount", "-l", str(mem)], capture_output=True)
+
+
+def test_a_killed_restores_image_tmpfs_is_unmounted_by_the_next_sweep(tmp_path: Path) -> None:
+    """kill -9 while the image directory is on its own tmpfs (it holds the checkpoint's memory):
+    the next run's sweep of the work dirs unmounts it and removes the dir."""
+    import sys
+
+    from gpusnap.engines import workdirs
+
+    base = tmp_path / "tmp"
+    code = ("import sys, time; from pathlib import Path; from gpusnap.engines import imagedir, workdirs\n"
+            "with workdirs.claim(Path(sys.argv[1])) as work:\n"
+            "    where = imagedir.mount_tmpfs(work, 64 << 20)\n"
+            "    (where / 'pages-1.img').write_bytes(b'x' * (8 << 20))\n"
+            "    print(where, flush=True)\n"
+            "    time.sleep(600)\n")
+    child = subprocess.Popen([sys.executable, "-c", code, str(base)], stdout=subprocess.PIPE, text=True)
+    try:
+        where = Path(child.stdout.readline().strip())  # type: ignore[union-attr]
+        assert where.name == "images" and f" {where} " in Path("/proc/self/mountinfo").read_text()
+    finally:
+        child.kill()
+        child.wait()
+    swept = workdirs.sweep(base, recover=None, container_running=lambda record: None)
+    assert [s.verdict.action for s in swept] == ["remove"]
+    assert f" {where} " not in Path("/proc/self/mountinfo").read_text()
+    assert list(base.iterdir()) == []

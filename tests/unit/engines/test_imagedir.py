@@ -55,3 +55,22 @@ def test_image_size_comes_from_the_config() -> None:
     assert imagedir.image_bytes_of({"sizes": {"total": 1234}}) == 1234
     assert imagedir.image_bytes_of({"files": [{"size": 10}, {"size": 5}]}) == 15
     assert imagedir.image_bytes_of({}) == 0
+
+
+def test_the_image_tmpfs_is_sized_for_twice_the_image_with_huge_pages() -> None:
+    opts = imagedir.tmpfs_options(10 << 30).split(",")
+    assert opts[0] == f"size={(20 << 10) + 256}m"
+    assert {"huge=within_size", "mode=0700", "nosuid", "nodev", "noexec"} <= set(opts)
+
+
+def test_the_image_tmpfs_is_mounted_under_the_work_dir(tmp_path: Path) -> None:
+    calls: list[list[str]] = []
+    where = imagedir.mount_tmpfs(tmp_path, 1 << 30, run=lambda argv: calls.append(argv) or 0)
+    assert where == tmp_path / "images" and where.is_dir()
+    assert calls == [["mount", "-t", "tmpfs", "-o", imagedir.tmpfs_options(1 << 30), imagedir.TMPFS_SOURCE, str(where)]]
+
+
+def test_where_no_tmpfs_can_be_mounted_the_work_dir_is_used(tmp_path: Path) -> None:
+    assert imagedir.mount_tmpfs(tmp_path, 1 << 30, run=lambda argv: 32) is None
+    assert list(tmp_path.iterdir()) == []  # the mount point it made is gone again
+    assert imagedir.mount_tmpfs(tmp_path, 0, run=lambda argv: 0) is None  # size unknown: no bound to give it

@@ -249,3 +249,23 @@ def test_a_failed_rollback_keeps_the_only_copy(tmp_path: Path) -> None:
     assert not orchestrate._lost_without(work, record, rolled_back)
     record.leave_running = True
     assert not orchestrate._lost_without(work, record, StepFailed(step="x", cause=OSError("y"), undo_errors=[("checkpoint", OSError("z"))]))
+
+
+def test_release_unmounts_what_is_mounted_inside_first(tmp_path: Path) -> None:
+    """A restore killed with its image tmpfs mounted: the sweep's release unmounts it (deepest
+    first, escaped names read back) before removing the dir."""
+    work = tmp_path / "work-1-x"
+    (work / "images").mkdir(parents=True)
+    odd = work / "a b"
+    odd.mkdir()
+    mountinfo = "\n".join([
+        f"30 1 0:5 / {tmp_path} rw - ext4 /dev/vda rw",
+        f"41 30 0:40 / {work}/images rw - tmpfs gpusnap-images rw",
+        f"42 41 0:41 / {work}/images/inner rw - tmpfs x rw",
+        f"43 30 0:42 / {str(odd).replace(' ', chr(92) + '040')} rw - tmpfs y rw",
+        f"44 30 0:43 / {tmp_path}/work-1-xy rw - tmpfs z rw",  # a sibling whose name starts alike
+    ])
+    calls: list[list[str]] = []
+    workdirs.release(work, mountinfo=mountinfo, run=calls.append)
+    assert calls == [["umount", "-l", f"{work}/images/inner"], ["umount", "-l", f"{work}/images"], ["umount", "-l", str(odd)]]
+    assert not work.exists()
