@@ -29,7 +29,10 @@ from gpusnap.packaging.registry import RegistryClient
 # Below this many bytes of blobs a fetch stays in its own process: a worker takes a few hundred
 # milliseconds to start, which a small pull does not win back.
 MIN_BYTES = 512 << 20
-THREADS_PER_PROCESS = 2  # one stream per core is what a worker's interpreter keeps fed
+# Streams per worker: one interpreter kept 4 streams fed at ~1.9 GB/s, and 4 such processes
+# reached 4.4 GB/s together on 16 cores (bench/results/gpu-h100-pull-2026-11-25); more, smaller
+# workers would each add ~35 MiB of resident interpreter to the restore.
+THREADS_PER_PROCESS = 4
 MAX_PROCESSES = 8
 
 
@@ -41,7 +44,7 @@ class Aborted(Exception):
 def auto_processes(blob_bytes: int, cores: int | None = None) -> int:
     """How many transfer processes a fetch of ``blob_bytes`` uses on its own: none on a small
     pull or a host of under 4 cores (there the cores, not the interpreter lock, are the limit),
-    else one per two cores, at most MAX_PROCESSES."""
+    else one per THREADS_PER_PROCESS cores (at least 2, at most MAX_PROCESSES)."""
     cores = cores or os.cpu_count() or 1
     if blob_bytes < MIN_BYTES or cores < 4:
         return 0
