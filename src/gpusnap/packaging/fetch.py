@@ -578,11 +578,12 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         far_files = late if staged is not None else set(fds)
         n_procs = processes if processes is not None else fetch_procs.auto_processes(sum(blob_span(b)[1] - blob_span(b)[0] for b in far))
         if far and n_procs > 0:
-            pool = fetch_procs.TransferProcesses(rc.client, rc.ref.repository, {p: fds[p] for p in far_files}, n_procs,
-                                                 on_bytes=fetch.advance, on_total=prog.add_total, stopped=fetch.stopped)
-            far_job: Callable[[BlobPlan], None] = pool.run
-        else:
-            far_job = blob_job
+            try:
+                pool = fetch_procs.TransferProcesses(rc.client, rc.ref.repository, {p: fds[p] for p in far_files}, n_procs,
+                                                     on_bytes=fetch.advance, on_total=prog.add_total, stopped=fetch.stopped)
+            except OSError:  # no process to be had (fork refused, a pipe broken at once): all in this one, slower
+                pool = None
+        far_job: Callable[[BlobPlan], None] = pool.run if pool is not None else blob_job
         jobs: list[Callable[[], None]] = [lambda d=d: tar_job(d) for d in pl.tar_layers]
         jobs += [lambda b=b: (blob_job if staged is not None else far_job)(b) for b in first]
         stage_one = len(jobs)
