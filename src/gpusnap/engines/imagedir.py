@@ -33,12 +33,13 @@ tmpfs) the directory is written where it was chosen, as before.
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from gpusnap.engines import workdirs
 
 GIB = 1 << 30
 ROOM_MARGIN = 256 << 20
@@ -55,21 +56,11 @@ class Choice:
 def fs_type(path: Path, mountinfo: str | None = None) -> str:
     """The filesystem type of the mount holding ``path`` (its longest mount-point prefix in
     /proc/self/mountinfo); "" when unknown."""
-    if mountinfo is None:
-        try:
-            mountinfo = Path("/proc/self/mountinfo").read_text()
-        except OSError:
-            return ""
     real = os.path.realpath(path)
     best, kind = "", ""
-    for line in mountinfo.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields = left.split()
-        if not sep or len(fields) < 5 or not right.split():
-            continue
-        point = fields[4].replace("\\040", " ")
+    for point, fstype in workdirs.mount_table(mountinfo):
         if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, kind = point, right.split()[0]
+            best, kind = point, fstype
     return kind
 
 
@@ -139,18 +130,11 @@ def mount_tmpfs(parent: Path, image_bytes: int, *, run: Callable[[list[str]], in
         return None
     where = parent / "images"
     where.mkdir(mode=0o700, exist_ok=True)
-    run = run or _run_quiet
+    run = run or workdirs.run_quiet
     if run(["mount", "-t", "tmpfs", "-o", tmpfs_options(image_bytes), TMPFS_SOURCE, str(where)]) != 0:
         where.rmdir()
         return None
     return where
-
-
-def _run_quiet(argv: list[str]) -> int:
-    try:
-        return subprocess.run(argv, capture_output=True, check=False).returncode
-    except OSError:  # no mount(8) here
-        return 127
 
 
 def image_bytes_of(config: dict[str, object]) -> int:

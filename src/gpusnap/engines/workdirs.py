@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -134,34 +135,46 @@ def release(work: Path, *, mountinfo: str | None = None, run: Callable[[list[str
     """Remove ``work``, unmounting first what is mounted inside it (a restore's image tmpfs,
     engines/imagedir.py: left mounted by a killed run, it would hold its memory until reboot)."""
     for point in mounts_under(work, mountinfo):
-        (run or _umount)(["umount", "-l", point])  # lazy: a process that still has a file open there keeps it till it exits
+        (run or run_quiet)(["umount", "-l", point])  # lazy: a process that still has a file open there keeps it till it exits
     shutil.rmtree(work, ignore_errors=True)
 
 
-def mounts_under(path: Path, mountinfo: str | None = None) -> list[str]:
-    """Mount points at or below ``path`` (deepest first), from /proc/self/mountinfo."""
+_OCTAL = re.compile(r"\\([0-7]{3})")  # an escaped byte in a mountinfo field
+
+
+def mount_table(mountinfo: str | None = None) -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of every mount in /proc/self/mountinfo (or the text
+    ``mountinfo``); [] when it cannot be read. The kernel writes space, tab, newline and
+    backslash in a point as octal escapes (\\040 …): they are read back."""
     if mountinfo is None:
         try:
             mountinfo = Path("/proc/self/mountinfo").read_text()
         except OSError:
             return []
-    root = os.path.realpath(path)
-    points = []
+    table = []
     for line in mountinfo.splitlines():
-        fields_ = line.split()
-        if len(fields_) < 5:
+        left, sep, right = line.partition(" - ")
+        fields_ = left.split()
+        if not sep or len(fields_) < 5 or not right.split():
             continue
-        point = fields_[4].encode().decode("unicode_escape") if "\\" in fields_[4] else fields_[4]
-        if point == root or point.startswith(root.rstrip("/") + "/"):
-            points.append(point)
-    return sorted(set(points), key=len, reverse=True)
+        table.append((_OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields_[4]), right.split()[0]))
+    return table
 
 
-def _umount(argv: list[str]) -> None:
+def mounts_under(path: Path, mountinfo: str | None = None) -> list[str]:
+    """Mount points at or below ``path`` (deepest first)."""
+    root = os.path.realpath(path)
+    points = {point for point, _ in mount_table(mountinfo) if point == root or point.startswith(root.rstrip("/") + "/")}
+    return sorted(points, key=len, reverse=True)
+
+
+def run_quiet(argv: list[str]) -> int:
+    """Run a mount(8)/umount(8) command, its output dropped: its exit status (127 where the
+    command is missing)."""
     try:
-        subprocess.run(argv, capture_output=True, check=False)
+        return subprocess.run(argv, capture_output=True, check=False).returncode
     except OSError:
-        pass
+        return 127
 
 
 @dataclass(frozen=True)

@@ -457,8 +457,7 @@ class _Fetch:
                             if restarts > client.retries:
                                 raise RegistryError(f"download of {desc.digest} from {client.registry} kept breaking off and the "
                                                     "registry ignores Range; try again later")
-                        self.progress.advance(-sink.size)
-                        self._count(-sink.size)
+                        self.advance(-sink.size)
                         sink.reset(0)
                         self.progress.add_total(desc.size - sink.wanted)
                         sink.end = desc.size
@@ -468,8 +467,7 @@ class _Fetch:
                         if sink.size + n > sink.wanted:
                             raise IntegrityError(f"blob {desc.digest} from {client.registry} is larger than its descriptor says; refusing it")
                         sink.take(buf, n)
-                        self.progress.advance(n)
-                        self._count(n)
+                        self.advance(n)
                 if sink.size < sink.wanted:
                     raise requests.ConnectionError(f"stream ended at {sink.size} of {sink.wanted} bytes")
                 break
@@ -486,9 +484,6 @@ class _Fetch:
     def advance(self, n: int) -> None:
         """Bytes received (here or in a transfer process)."""
         self.progress.advance(n)
-        self._count(n)
-
-    def _count(self, n: int) -> None:
         with self._lock:
             self.received += n
 

@@ -29,7 +29,8 @@ from typing import IO, Any
 from gpusnap.errors import GpusnapError
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging.auth import Credentials
-from gpusnap.packaging.fetch import _Aborted, _BlobRouter, _Fetch
+from gpusnap.packaging.fetch import _BlobRouter, _Fetch
+from gpusnap.packaging.fetch_procs import Aborted
 from gpusnap.packaging.registry import RegistryClient
 
 PR_SET_PDEATHSIG = 1
@@ -100,7 +101,7 @@ def serve(init: dict[str, Any], jobs: IO[str], out: IO[str]) -> None:
             fetch.stream(bp.descriptor, _BlobRouter(bp, fds))
             reporter.flush()
             channel.send({"id": job["id"], "ok": True})
-        except _Aborted:
+        except Aborted:
             channel.send({"id": job["id"], "error": "Aborted", "message": "stopped"})
         except GpusnapError as exc:
             reporter.flush()

@@ -269,3 +269,13 @@ def test_release_unmounts_what_is_mounted_inside_first(tmp_path: Path) -> None:
     workdirs.release(work, mountinfo=mountinfo, run=calls.append)
     assert calls == [["umount", "-l", f"{work}/images/inner"], ["umount", "-l", f"{work}/images"], ["umount", "-l", str(odd)]]
     assert not work.exists()
+
+
+def test_the_mount_table_reads_escaped_and_non_ascii_points_back() -> None:
+    mountinfo = "\n".join([
+        r"41 30 0:40 / /run/a\040b\011c rw - tmpfs gpusnap-images rw",
+        r"42 30 0:41 / /run/back\134slash rw shared:2 - ext4 /dev/vdb rw",
+        "43 30 0:42 / /run/réseau rw - tmpfs t rw",
+        "garbage line",
+    ])
+    assert workdirs.mount_table(mountinfo) == [("/run/a b\tc", "tmpfs"), ("/run/back\\slash", "ext4"), ("/run/réseau", "tmpfs")]
