@@ -109,6 +109,9 @@ def _child(stage: str, args: dict) -> None:
         kw: dict = {"staged": staged} if staged else {}
         if "processes" in args:
             kw["processes"] = int(args["processes"])
+        if args.get("map_files"):  # the transfer processes receive into the files' mappings (a restore's own tmpfs)
+            kw["map_files"] = True
+        kw["timings"] = out.setdefault("phases", {})
         fetch.fetch_into(OciStore(Path(args["store"])), rc, Path(args["dest"]), **kw)
     elif stage == "write-floor":
         _write_floor(Path(args["dest"]), int(args["bytes"]), int(args["threads"]), args["mode"])
@@ -214,12 +217,15 @@ def main() -> int:
     ap.add_argument("--staged", action="store_true", help="write as a restore does: all but the pages, then the pages (prints when "
                     "the first stage was in place)")
     ap.add_argument("--fetch-variants", default="", help="more fetch rounds, comma-separated: wN (N transfers), sS (GIL switch "
-                    "interval S seconds), pN (N transfer processes; p0: none), joined with '+', e.g. 'w8,p0,p4,p8'")
+                    "interval S seconds), pN (N transfer processes; p0: none), m (receive into the files' mappings), joined with '+', "
+                    "e.g. 'w8,p0,p4,p8,p4+m'")
     ap.add_argument("--parallel-fetches", default="", help="also K fetch processes at once (comma-separated Ks, e.g. '2,4'), each "
                     "into its own directory with 16/K transfers: does the pull scale with processes (an in-process limit) or not?")
     ap.add_argument("--write-floor", action="store_true", help="also time plain 2 MiB pwrites of the same size into --dest (16 threads)")
     ap.add_argument("--profile-fetch", type=Path, help="run the first fetch under py-spy (where installed): --gil samples, "
                     "collapsed stacks in this folder (what holds the interpreter lock, and how much of the time)")
+    ap.add_argument("--huge-tmpfs", action="store_true", help="write the images into a huge-page tmpfs mounted under --dest, "
+                    "as a restore does (engines/imagedir.mount_tmpfs; root)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("child_args", nargs="?", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -233,6 +239,16 @@ def main() -> int:
     src, store = a.work / "src", a.work / "store"
     size = make_checkpoint(src, a.gib, upper_mib=a.upper_mib)
     gb = size / 1e9
+    mounted = None
+    if a.huge_tmpfs:
+        sys.path.insert(0, str(REPO / "src"))
+        from gpusnap.engines import imagedir
+
+        mounted = imagedir.mount_tmpfs(a.dest, size)
+        if mounted is None:
+            raise SystemExit(f"cannot mount a huge-page tmpfs under {a.dest} (root needed)")
+        print(f"images on a huge-page tmpfs: {mounted}", flush=True)
+        a.dest = mounted
     r = run("store", store=str(store), src=str(src), ref="bench/ck:1")
     print(f"store {gb:.2f} GB: {r['seconds']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
     drop(src)  # the page cache keeps the store's blobs, as after a checkpoint
@@ -256,7 +272,7 @@ def main() -> int:
             for v in filter(None, a.fetch_variants.split(",")):
                 knobs: dict[str, str] = {}
                 for part in v.split("+"):
-                    knobs[{"w": "fetch_workers", "s": "switch_interval", "p": "processes"}[part[0]]] = part[1:]
+                    knobs[{"w": "fetch_workers", "s": "switch_interval", "p": "processes", "m": "map_files"}[part[0]]] = part[1:] or "1"
                 rounds.append(knobs)
             for i, knobs in enumerate(rounds):
                 empty = Path(tempfile.mkdtemp(dir=a.work, prefix="empty-store-"))
@@ -272,7 +288,7 @@ def main() -> int:
                 r["knobs"] = knobs
                 res["fetch"].append(r)
                 print(f"fetch -> {a.dest}{' ' + str(knobs) if knobs else ''}: {r['seconds']:.2f} s ({gb / r['seconds']:.2f} GB/s)"
-                      f"{_staged(r)}, CPU {r['cpu_s']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
+                      f"{_staged(r)}, CPU {r['cpu_s']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB, phases {r.get('phases')}", flush=True)
                 drop(dest)
                 drop(empty)
     if a.registry and a.parallel_fetches:
@@ -305,6 +321,9 @@ def main() -> int:
             drop(dest)
     print(json.dumps(res))
     drop(a.work)
+    if mounted is not None:
+        subprocess.run(["umount", str(mounted)], check=False)
+        a.dest = mounted.parent
     drop(a.dest)
     return 0
 

@@ -565,6 +565,7 @@ def restore(
     # every file but the pages files first, then the pages files while the host is checked and
     # the engine prepares the container; the engine waits for them just before CRIU starts.
     images: imagedir.ImageJob | None = None
+    pull_phases: dict[str, float] = {}  # the pull's own phases (fetch_into), beside the laps
     clock.lap("sweep the work dirs")
     try:
         if path.exists():
@@ -598,14 +599,14 @@ def restore(
                 # A directory checkpoint straight from the registry into the image directory:
                 # each byte written once, verified as it lands (packaging.fetch).
                 form = str(remote.config["form"])
-                local = _image_dir(settings, work, imagedir.image_bytes_of(remote.config), progress, memory)
+                local, reserved = _image_dir(settings, work, imagedir.image_bytes_of(remote.config), progress, memory)
                 progress(f"pulling {source} into the checkpoint directory")
                 fetch_into, rc, bars = api.fetch_into, remote, _transfer(progress, f"pull {source}")
 
                 def fetch(staged: Callable[[], None], cancel: threading.Event) -> Any:
                     with bars as bar:  # the progress bar ends with the download
                         return fetch_into(settings.store_dir, rc, local, progress=bar, staged=staged, cancel=cancel,
-                                          processes=settings.fetch_processes)
+                                          processes=settings.fetch_processes, map_files=reserved, timings=pull_phases)
 
                 images = imagedir.ImageJob(fetch, name="gpusnap-fetch").start()
                 images.what = "pull into the image directory"
@@ -623,7 +624,7 @@ def restore(
                 # Materializing writes only this run's private work dir (removed below whatever
                 # happens), so it goes on while the host's facts are still being gathered; the
                 # host check still comes before the engine prepares anything or CRIU starts.
-                local = _image_dir(settings, work, int((info.sizes or {}).get("total", 0)), progress, memory)
+                local, _ = _image_dir(settings, work, int((info.sizes or {}).get("total", 0)), progress, memory)
                 progress(f"unpacking {source}")
                 materialize = api.materialize_checkpoint
                 images = imagedir.ImageJob(lambda staged, cancel: materialize(settings.store_dir, ref, local, form=form, staged=staged,
@@ -666,6 +667,8 @@ def restore(
             # Not a lap: how long the image directory took on its own thread, overlapped with
             # the laps above (bench/e2e.py shows it beside them, not in their sum).
             timings[f"{BACKGROUND}{images.what}"] = round(images.seconds, 3)
+            for phase, secs in pull_phases.items():
+                timings[f"{BACKGROUND}{images.what}: {phase}"] = secs
         return RestoreOutcome(container=container, engine=eng.name, source=source, form=form, timings_s=timings)
     finally:
         if images is not None:
@@ -701,11 +704,13 @@ def _preload(*modules: str) -> bool:
     return True
 
 
-def _image_dir(settings: Settings, work: Path, image_bytes: int, progress: Progress, memory: ExitStack) -> Path:
-    """Where a restore writes the image directory. engines/imagedir.py has the rule: a tmpfs
-    under the run dir when the image fits comfortably in free memory (a work dir there, claimed
-    and removed through ``memory``), else the state dir's work dir. No fsync either way: the
-    image is scratch, rebuilt from the store or registry after a crash."""
+def _image_dir(settings: Settings, work: Path, image_bytes: int, progress: Progress, memory: ExitStack) -> tuple[Path, bool]:
+    """Where a restore writes the image directory, and whether it is on a tmpfs of its own
+    (room for the whole image reserved: the pull may write through mappings, fetch.FileMaps).
+    engines/imagedir.py has the rule: a tmpfs under the run dir when the image fits comfortably
+    in free memory (a work dir there, claimed and removed through ``memory``), else the state
+    dir's work dir. No fsync either way: the image is scratch, rebuilt from the store or
+    registry after a crash."""
     base = settings.run_dir / "tmp"
     if base.is_dir():  # a killed restore's image: in memory until removed
         workdirs.sweep(base, recover=None, container_running=lambda record: _container_running(settings, record))
@@ -714,20 +719,20 @@ def _image_dir(settings: Settings, work: Path, image_bytes: int, progress: Progr
     choice = imagedir.choose_base(base, image_bytes)
     if not choice.memory:
         progress(f"image directory on disk: {choice.reason}")
-        return work / "checkpoint"
+        return work / "checkpoint", False
     base.mkdir(parents=True, exist_ok=True, mode=0o700)
     memory_work = memory.enter_context(workdirs.claim(base))
     memory.callback(workdirs.release, memory_work)  # unmounts its image tmpfs first
     return _in_memory(memory_work, image_bytes, progress, choice.reason)
 
 
-def _in_memory(work: Path, image_bytes: int, progress: Progress, reason: str) -> Path:
+def _in_memory(work: Path, image_bytes: int, progress: Progress, reason: str) -> tuple[Path, bool]:
     """The image directory in memory under ``work``: on a huge-page tmpfs of its own
     (imagedir.mount_tmpfs) where one can be mounted, else on ``work``'s tmpfs. Unmounted
     when ``work`` is released (workdirs.release), by this run or by the sweep after a kill."""
     mounted = imagedir.mount_tmpfs(work, image_bytes)
     progress(f"image directory in memory: {reason}{'; a huge-page tmpfs of its own' if mounted else ''}")
-    return (mounted or work) / "checkpoint"
+    return (mounted or work) / "checkpoint", mounted is not None
 
 
 class _StageClock:

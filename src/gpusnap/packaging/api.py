@@ -609,16 +609,19 @@ def open_remote(remote: str, *, insecure: bool = False) -> Any:
 
 
 def fetch_into(store_dir: Path, remote: Any, dest: Path, *, progress: Progress | None = None, staged: Any = None,
-               cancel: Any = None, processes: int | None = None) -> Any:
+               cancel: Any = None, processes: int | None = None, map_files: bool = False,
+               timings: dict[str, float] | None = None) -> Any:
     """Write the checkpoint ``remote`` (from :func:`open_remote`) as the image directory
     ``dest`` straight from the registry: each byte written once, every blob and piece verified
     as it lands, nothing at ``dest`` on failure. The store records only the manifest, the
     config and where the blobs are. Returns a gpusnap.packaging.fetch.FetchResult.
     ``staged``/``cancel``: as for :func:`materialize_checkpoint` (gpusnap.packaging.fetch);
-    ``processes``: transfer processes (None: chosen from the size and the cores; 0: none)."""
+    ``processes``: transfer processes (None: chosen from the size and the cores; 0: none);
+    ``map_files``, ``timings``: as for gpusnap.packaging.fetch.fetch_into."""
     from gpusnap.packaging.fetch import fetch_into as _fetch
 
-    return _fetch(OciStore(Path(store_dir)), remote, dest, progress=progress, staged=staged, cancel=cancel, processes=processes)
+    return _fetch(OciStore(Path(store_dir)), remote, dest, progress=progress, staged=staged, cancel=cancel, processes=processes,
+                  map_files=map_files, timings=timings)
 
 
 def pull(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None,

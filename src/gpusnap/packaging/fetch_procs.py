@@ -63,7 +63,7 @@ class _Worker:
 class TransferProcesses:
     def __init__(self, client: RegistryClient, repository: str, fds: dict[str, int], processes: int, *,
                  on_bytes: Callable[[int], None], on_total: Callable[[int], None], stopped: Callable[[], bool],
-                 threads: int = THREADS_PER_PROCESS) -> None:
+                 threads: int = THREADS_PER_PROCESS, map_files: bool = False) -> None:
         self.stopped = stopped
         self._on_bytes, self._on_total = on_bytes, on_total
         self._lock = threading.Lock()
@@ -74,7 +74,7 @@ class TransferProcesses:
             "parent": os.getpid(), "registry": client.registry, "insecure": client.base.startswith("http://"),
             "credentials": asdict(client.creds) if client.creds else None, "auth": client.auth_state(),
             "retries": client.retries, "backoff_s": client.backoff_s, "timeout_s": client.timeout_s,
-            "repository": repository, "fds": fds, "threads": threads,
+            "repository": repository, "fds": fds, "threads": threads, "map": map_files,
         }
         self.workers: list[_Worker] = []
         try:

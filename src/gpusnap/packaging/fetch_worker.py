@@ -29,7 +29,7 @@ from typing import IO, Any
 from gpusnap.errors import GpusnapError
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging.auth import Credentials
-from gpusnap.packaging.fetch import _BlobRouter, _Fetch
+from gpusnap.packaging.fetch import FileMaps, _Fetch, make_router
 from gpusnap.packaging.fetch_procs import Aborted
 from gpusnap.packaging.registry import RegistryClient
 
@@ -94,11 +94,13 @@ def serve(init: dict[str, Any], jobs: IO[str], out: IO[str]) -> None:
     reporter = _Reporter(channel)
     fetch = _Fetch(client_from_wire(init), init["repository"], reporter)  # type: ignore[arg-type]
     fds: dict[str, int] = {path: int(fd) for path, fd in init["fds"].items()}
+    # init["map"]: the image directory has room reserved for the whole image (fetch.FileMaps).
+    maps = FileMaps(fds) if init.get("map") else None
 
     def run(job: dict[str, Any]) -> None:
         try:
             bp = lay.BlobPlan.from_wire(job["blob"])
-            fetch.stream(bp.descriptor, _BlobRouter(bp, fds))
+            fetch.stream(bp.descriptor, make_router(bp, fds, maps))
             reporter.flush()
             channel.send({"id": job["id"], "ok": True})
         except Aborted:

@@ -473,33 +473,48 @@ def _receive_body(r: requests.Response, w: Any, desc: Descriptor, buf: memoryvie
 
 
 def read_body_into(r: requests.Response, buf: memoryview) -> Iterator[int]:
-    """The body of ``r`` piece by piece: each yielded ``n`` means ``buf[:n]`` holds the next bytes.
+    """The body of ``r`` piece by piece: each yielded ``n`` means ``buf[:n]`` holds the next bytes."""
+    body = BodyReader(r)
+    while n := body.readinto(buf):
+        yield n
 
-    Fast path: the body is read with ``readinto`` from the standard library's response under
-    urllib3 (it handles Content-Length and chunked framing) into ``buf``, which the caller
-    hashes and writes from there — one buffer for the whole blob instead of a new ``bytes`` per
-    read and the copies through urllib3's and the file's buffers. A fully read response gives
-    its connection back to the pool, as ``iter_content`` would. Anything else (a
-    content-encoded body, another urllib3 backend) goes through ``iter_content``. Read errors
-    become ``requests.ConnectionError``, so callers resume with a Range request either way.
+
+class BodyReader:
+    """A response body read into buffers the caller chooses (``readinto``; 0 at its end).
+
+    Fast path: ``readinto`` on the standard library's response under urllib3 (it handles
+    Content-Length and chunked framing), so the bytes go from the socket straight into the
+    caller's buffer — a reused receive buffer, or the destination file's own mapping
+    (gpusnap.packaging.fetch) — instead of a new ``bytes`` per read and the copies through
+    urllib3's buffers. A fully read response gives its connection back to the pool, as
+    ``iter_content`` would. Anything else (a content-encoded body, another urllib3 backend)
+    goes through ``iter_content``. Read errors become ``requests.ConnectionError``, so callers
+    resume with a Range request either way.
     """
-    fp = getattr(r.raw, "_fp", None)
-    encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
-    if not isinstance(fp, http.client.HTTPResponse) or encoding not in ("", "identity"):
-        for data in r.iter_content(len(buf)):
-            buf[:len(data)] = data
-            yield len(data)
-        return
-    while True:
+
+    def __init__(self, r: requests.Response) -> None:
+        self.r = r
+        fp = getattr(r.raw, "_fp", None)
+        encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
+        self.fp = fp if isinstance(fp, http.client.HTTPResponse) and encoding in ("", "identity") else None
+        self.chunks: Iterator[bytes] | None = None if self.fp is not None else r.iter_content(RECV_SIZE)
+        self.left = memoryview(b"")
+
+    def readinto(self, buf: memoryview) -> int:
+        if self.fp is None:
+            if not self.left:
+                self.left = memoryview(next(self.chunks, b""))  # type: ignore[arg-type]
+            n = min(len(buf), len(self.left))
+            buf[:n] = self.left[:n]
+            self.left = self.left[n:]
+            return n
         try:
-            n = fp.readinto(buf)
+            n = self.fp.readinto(buf)
         except (OSError, http.client.HTTPException) as exc:
             raise requests.ConnectionError(f"blob download broke off: {exc!r}") from None
-        if not n:
-            break
-        yield n
-    if fp.isclosed():  # the whole body was read: the connection can serve the next blob
-        r.raw.release_conn()
+        if not n and self.fp.isclosed():  # the whole body was read: the connection can serve the next blob
+            self.r.raw.release_conn()
+        return n
 
 
 def _error_text(r: requests.Response) -> str:

@@ -80,15 +80,17 @@ def _pipelined_push(store: Path, src: Path, ref: str, remote: str, compress: boo
     return result
 
 
-@pytest.fixture(params=[0, 2], ids=["in-process", "2-processes"])
-def processes(request: pytest.FixtureRequest) -> int:
-    """Where a restore's downloads run: in the fetching process, or in two transfer processes
-    (gpusnap.packaging.fetch_worker; a many-core host's default)."""
-    return int(request.param)
+@pytest.fixture(params=[{"processes": 0}, {"processes": 2}, {"processes": 2, "map_files": True}],
+                ids=["in-process", "2-processes", "2-processes-mapped"])
+def pull_mode(request: pytest.FixtureRequest) -> dict[str, object]:
+    """How a restore's downloads run: in the fetching process, or in two transfer processes
+    (gpusnap.packaging.fetch_worker; a many-core host's default), writing with pwrite or
+    receiving straight into the files' mappings (fetch.FileMaps: a restore's own tmpfs)."""
+    return dict(request.param)
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["plain", "zstd"])
-def test_pipelined_push_then_direct_restore_is_bit_exact(tmp_path: Path, registry: Registry, compress: bool, processes: int) -> None:
+def test_pipelined_push_then_direct_restore_is_bit_exact(tmp_path: Path, registry: Registry, compress: bool, pull_mode: dict[str, object]) -> None:
     src = _checkpoint_dir(tmp_path / "ck", 80)
     store = tmp_path / "store"
     remote = f"{registry.host}/gs-pkg/pipe:v1"
@@ -104,7 +106,7 @@ def test_pipelined_push_then_direct_restore_is_bit_exact(tmp_path: Path, registr
     rc = open_remote(remote, insecure=True)
     assert rc.direct and rc.digest == result.digest
     prog = CountingProgress()
-    out = api.fetch_into(target, rc, tmp_path / "work" / "checkpoint", progress=prog, processes=processes)
+    out = api.fetch_into(target, rc, tmp_path / "work" / "checkpoint", progress=prog, **pull_mode)
     assert files_of(out.dest) == files_of(src)
     assert prog.done == prog.total and out.bytes_received == prog.total
     # The zero run was not written: the pages file takes less space than its size.
@@ -138,7 +140,7 @@ class _KillAfter(NullProgress):
             threading.Timer(self.pause, self.reg.start).start()
 
 
-def test_direct_restore_resumes_after_registry_restart(tmp_path: Path, registry: Registry, processes: int) -> None:
+def test_direct_restore_resumes_after_registry_restart(tmp_path: Path, registry: Registry, pull_mode: dict[str, object]) -> None:
     src = _checkpoint_dir(tmp_path / "ck", 96, seed=11)
     store = tmp_path / "store"
     remote = f"{registry.host}/gs-pkg/resume-fetch:v1"
@@ -146,12 +148,12 @@ def test_direct_restore_resumes_after_registry_restart(tmp_path: Path, registry:
     client = RegistryClient(registry.host, insecure=True, retries=8, backoff_s=0.3, workers=3)
     rc = open_remote(remote, client=client)
     killer = _KillAfter(registry, 40 << 20, pause=1.0)
-    out = api.fetch_into(tmp_path / "store2", rc, tmp_path / "out", progress=killer, processes=processes)
+    out = api.fetch_into(tmp_path / "store2", rc, tmp_path / "out", progress=killer, **pull_mode)
     assert killer.killed.is_set()
     assert files_of(out.dest) == files_of(src)
 
 
-def test_corrupt_blob_is_refused_and_nothing_is_left(tmp_path: Path, registry: Registry, processes: int) -> None:
+def test_corrupt_blob_is_refused_and_nothing_is_left(tmp_path: Path, registry: Registry, pull_mode: dict[str, object]) -> None:
     src = _checkpoint_dir(tmp_path / "ck", 40, seed=5)
     store = tmp_path / "store"
     remote = f"{registry.host}/gs-pkg/bad-fetch:v1"
@@ -166,7 +168,7 @@ def test_corrupt_blob_is_refused_and_nothing_is_left(tmp_path: Path, registry: R
     work.mkdir()
     rc = open_remote(remote, insecure=True)
     with pytest.raises(IntegrityError, match="does not match its digest"):
-        api.fetch_into(tmp_path / "store2", rc, work / "checkpoint", processes=processes)
+        api.fetch_into(tmp_path / "store2", rc, work / "checkpoint", **pull_mode)
     assert list(work.iterdir()) == []  # neither the image directory nor a partial one
     s2 = OciStore(tmp_path / "store2")
     assert s2.tags() == [] and list(s2.blobs_dir.iterdir()) == [] and list(s2.ingest_dir.iterdir()) == []
@@ -183,7 +185,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_full_disk_during_direct_restore_leaves_store_and_work_dir_clean(tmp_path: Path, registry: Registry, small_tmpfs: Path, processes: int) -> None:
+def test_full_disk_during_direct_restore_leaves_store_and_work_dir_clean(tmp_path: Path, registry: Registry, small_tmpfs: Path, pull_mode: dict[str, object]) -> None:
     src = _checkpoint_dir(tmp_path / "ck", 64, seed=9)
     remote = f"{registry.host}/gs-pkg/enospc-fetch:v1"
     _pipelined_push(tmp_path / "store", src, "gs-pkg/enospc-fetch", remote, compress=False)
@@ -192,7 +194,7 @@ def test_full_disk_during_direct_restore_leaves_store_and_work_dir_clean(tmp_pat
     work.mkdir()
     rc = open_remote(remote, insecure=True)
     with pytest.raises(GpusnapError, match="no space left"):
-        api.fetch_into(store, rc, work / "checkpoint", processes=processes)
+        api.fetch_into(store, rc, work / "checkpoint", **pull_mode)
     assert list(work.iterdir()) == []
     s2 = OciStore(store)
     assert s2.tags() == [] and list(s2.blobs_dir.iterdir()) == [] and list(s2.ingest_dir.iterdir()) == []
@@ -236,7 +238,7 @@ def test_registry_dying_during_pipelined_push_leaves_no_tag(tmp_path: Path, regi
     assert not registry.has_tag("gs-pkg/dying-push", "v1")
 
 
-def test_direct_restore_of_a_checkpoint_sharing_packs_fetches_only_what_it_uses(tmp_path: Path, registry: Registry, processes: int) -> None:
+def test_direct_restore_of_a_checkpoint_sharing_packs_fetches_only_what_it_uses(tmp_path: Path, registry: Registry, pull_mode: dict[str, object]) -> None:
     """The second checkpoint references pieces in the first one's packs (dedup); its restore
     asks the registry only for the byte span of each pack that holds pieces it uses."""
     first = _checkpoint_dir(tmp_path / "ck1", 80, seed=21)
@@ -249,7 +251,7 @@ def test_direct_restore_of_a_checkpoint_sharing_packs_fetches_only_what_it_uses(
     _pipelined_push(store, first, "gs-pkg/share:1", f"{registry.host}/gs-pkg/share:1", compress=False)
     _pipelined_push(store, second, "gs-pkg/share:2", f"{registry.host}/gs-pkg/share:2", compress=False)
     rc = open_remote(f"{registry.host}/gs-pkg/share:2", insecure=True)
-    out = api.fetch_into(tmp_path / "store2", rc, tmp_path / "out", processes=processes)
+    out = api.fetch_into(tmp_path / "store2", rc, tmp_path / "out", **pull_mode)
     assert files_of(out.dest) == files_of(second)
     layers = sum(d["size"] for d in rc.manifest["layers"])
     print(f"received {out.bytes_received} of {layers} bytes of layers")
@@ -257,7 +259,7 @@ def test_direct_restore_of_a_checkpoint_sharing_packs_fetches_only_what_it_uses(
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
-def test_staged_fetch_puts_all_but_the_pages_in_place_first(tmp_path: Path, registry: Registry, corrupt: bool, processes: int) -> None:
+def test_staged_fetch_puts_all_but_the_pages_in_place_first(tmp_path: Path, registry: Registry, corrupt: bool, pull_mode: dict[str, object]) -> None:
     """As a restore fetches (orchestrate.restore): the tar layers and every blob with a byte of
     a non-pages file first, the directory renamed into place and ``staged()`` called, then the
     pages; a pages blob that fails its digest after that still leaves nothing behind."""
@@ -289,12 +291,12 @@ def test_staged_fetch_puts_all_but_the_pages_in_place_first(tmp_path: Path, regi
 
         cancel = threading.Event()
         with pytest.raises(IntegrityError):
-            api.fetch_into(tmp_path / "store2", rc, dest, staged=staged, cancel=cancel, processes=processes)
+            api.fetch_into(tmp_path / "store2", rc, dest, staged=staged, cancel=cancel, **pull_mode)
         assert not cancel.is_set()  # a failure is told apart from the caller's stop (ImageJob.failed)
         assert list((tmp_path / "work").iterdir()) == []  # neither the image directory nor a partial one
         assert not (tmp_path / "store2" / "restored.json").exists()
         return
-    out = api.fetch_into(tmp_path / "store2", rc, dest, staged=staged, processes=processes)
+    out = api.fetch_into(tmp_path / "store2", rc, dest, staged=staged, **pull_mode)
     want = files_of(src)
     assert seen == {k: v for k, v in want.items() if not k.startswith("pages-")} and "sub/big.bin" in seen
     assert files_of(out.dest) == want

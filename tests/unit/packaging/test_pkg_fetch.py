@@ -13,7 +13,7 @@ import zstandard
 
 from gpusnap.errors import IntegrityError
 from gpusnap.packaging import artifact as fmt
-from gpusnap.packaging.fetch import BlobPlan, Placement, _BlobRouter, _create_sparse, plan
+from gpusnap.packaging.fetch import BlobPlan, FileMaps, Placement, _BlobRouter, _create_sparse, _MappedRouter, make_router, plan
 from gpusnap.packaging.store import Descriptor
 
 
@@ -137,3 +137,111 @@ def test_a_blob_whose_pieces_carry_digests_is_received_only_over_their_span(tmp_
     router.finish()
     os.close(fds["f"])
     assert (tmp_path / "f").read_bytes() == piece
+
+
+# ---- receiving straight into the files' mappings (fetch._MappedRouter) ----------------------
+def _receive_mapped(tmp_path: Path, blob: bytes, placements: list[Placement], sizes: dict[str, int],
+                    step: int = 5000) -> tuple[dict[str, bytes], _MappedRouter]:
+    """Feed ``blob`` to a mapped router the way fetch._Fetch.stream does (reads of at most
+    ``step`` bytes into whatever ``target`` hands out), return the files and the router."""
+    fds = {name: _create_sparse(tmp_path, name, size) for name, size in sizes.items()}
+    maps = FileMaps(fds)
+    router = make_router(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(blob), len(blob)), placements), fds, maps)
+    assert isinstance(router, _MappedRouter)
+    scratch = bytearray(3000)
+    try:
+        pos = router.start
+        while pos < len(blob):
+            dst = router.target(memoryview(scratch))
+            n = min(len(dst), step, len(blob) - pos)
+            assert n > 0
+            dst[:n] = blob[pos:pos + n]
+            router.landed(scratch, n)
+            pos += n
+        router.finish()
+    finally:
+        maps.close()
+        for fd in fds.values():
+            os.close(fd)
+    return {name: (tmp_path / name).read_bytes() for name in sizes}, router
+
+
+def _raw(path: str, file_offset: int, blob_offset: int, data: bytes) -> Placement:
+    return Placement(path, file_offset, blob_offset, len(data), len(data), False, hashlib.sha256(data).digest())
+
+
+def test_mapped_router_lands_raw_runs_in_place_and_the_rest_through_the_buffer(tmp_path: Path) -> None:
+    a1, a2, a3 = os.urandom(20_000), os.urandom(12_288), os.urandom(7_000)  # consecutive in blob and file: one run
+    other = os.urandom(9_000)  # another checkpoint's piece in a shared pack: received, not written
+    raw_z = os.urandom(4000) * 4
+    z = zstandard.ZstdCompressor().compress(raw_z)
+    twice = os.urandom(6_000)  # one stored range feeding two places
+    g = os.urandom(11_000)  # a piece of another file
+    blob = a1 + a2 + a3 + other + z + twice + g
+    o = len(a1 + a2 + a3 + other)
+    pls = [_raw("f", 0, 0, a1), _raw("f", len(a1), len(a1), a2), _raw("f", len(a1 + a2), len(a1 + a2), a3),
+           Placement("f", 39_288, o, len(z), len(raw_z), True, hashlib.sha256(raw_z).digest()),
+           _raw("f", 39_288 + len(raw_z), o + len(z), twice), _raw("f", 39_288 + len(raw_z) + len(twice), o + len(z), twice),
+           _raw("g", 0, o + len(z) + len(twice), g)]
+    size_f = 39_288 + len(raw_z) + 2 * len(twice)
+    for step in (5000, 1 << 20, 4096):
+        out, router = _receive_mapped(tmp_path / str(step), blob, pls, {"f": size_f, "g": len(g)}, step)
+        assert out["f"] == a1 + a2 + a3 + raw_z + twice + twice
+        assert out["g"] == g
+        assert [(r.b0, r.b1, r.path) for r in router.runs] == [(0, len(a1 + a2 + a3), "f"), (len(blob) - len(g), len(blob), "g")]
+        assert len(router.direct) == 4  # the zstd piece and the shared range went through the buffer
+
+
+def test_mapped_router_refuses_a_raw_piece_with_another_digest(tmp_path: Path) -> None:
+    good, bad = os.urandom(8000), os.urandom(8000)
+    pls = [_raw("f", 0, 0, good), Placement("f", 8000, 8000, 8000, 8000, False, hashlib.sha256(b"not it").digest())]
+    with pytest.raises(IntegrityError, match="piece at byte 8000 of f does not match"):
+        _receive_mapped(tmp_path, good + bad, pls, {"f": 16_000})
+
+
+def test_mapped_router_receives_only_the_span_of_a_shared_pack(tmp_path: Path) -> None:
+    unused, piece = os.urandom(30_000), os.urandom(20_000)
+    out, router = _receive_mapped(tmp_path, unused + piece, [_raw("f", 0, len(unused), piece)], {"f": len(piece)})
+    assert router.start == len(unused) and out["f"] == piece
+
+
+def test_mapped_router_refuses_a_blob_that_ends_early(tmp_path: Path) -> None:
+    piece = os.urandom(20_000)
+    fds = {"f": _create_sparse(tmp_path, "f", len(piece))}
+    maps = FileMaps(fds)
+    router = make_router(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(piece), len(piece)), [_raw("f", 0, 0, piece)]), fds, maps)
+    dst = router.target(memoryview(bytearray(100)))
+    dst[:5000] = piece[:5000]
+    router.landed(bytearray(), 5000)
+    with pytest.raises(IntegrityError, match="ended after 5000"):
+        router.finish()
+    maps.close()
+    os.close(fds["f"])
+
+
+def test_mapped_router_hands_out_the_buffer_past_the_end_so_an_oversized_blob_is_seen(tmp_path: Path) -> None:
+    piece = os.urandom(10_000)
+    fds = {"f": _create_sparse(tmp_path, "f", len(piece))}
+    maps = FileMaps(fds)
+    router = make_router(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(piece), len(piece)), [_raw("f", 0, 0, piece)]), fds, maps)
+    dst = router.target(memoryview(bytearray(100)))
+    assert len(dst) == len(piece)  # no more than the piece: the mapping is never written past it
+    dst[:] = piece
+    router.landed(bytearray(), len(piece))
+    scratch = bytearray(64)
+    assert router.target(memoryview(scratch)).obj is scratch and len(router.target(memoryview(scratch))) == 64
+    router.finish()
+    maps.close()
+    os.close(fds["f"])
+
+
+def test_v1_blobs_and_plain_fetches_use_the_buffered_router(tmp_path: Path) -> None:
+    data = os.urandom(1000)
+    fds = {"f": _create_sparse(tmp_path, "f", len(data))}
+    maps = FileMaps(fds)
+    v1 = BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(data), len(data)), [Placement("f", 0, 0, len(data), len(data), False, None)])
+    assert type(make_router(v1, fds, maps)) is _BlobRouter  # the blob digest verifies it: read in full, through the buffer
+    v2 = BlobPlan(v1.descriptor, [_raw("f", 0, 0, data)])
+    assert type(make_router(v2, fds, None)) is _BlobRouter
+    maps.close()
+    os.close(fds["f"])
