@@ -30,9 +30,11 @@ from gpusnap.packaging.registry import RegistryClient
 # milliseconds to start, which a small pull does not win back.
 MIN_BYTES = 512 << 20
 # Streams per worker: one interpreter kept 4 streams fed at ~1.9 GB/s, and 4 such processes
-# reached 4.4 GB/s together on 16 cores (bench/results/gpu-h100-pull-2026-11-25); more, smaller
-# workers would each add ~35 MiB of resident interpreter to the restore.
+# reached 4.4 GB/s together on 16 cores (bench/results/gpu-h100-pull-2026-11-25). One worker per
+# 2 cores: receiving into mappings on the H100 host, 8 workers pulled 3.33 GB/s against 2.92 for
+# 4 (bench/results/gpu-h100-e2e-2026-11-25b); each adds ~35 MiB of resident interpreter.
 THREADS_PER_PROCESS = 4
+CORES_PER_PROCESS = 2
 MAX_PROCESSES = 8
 
 
@@ -44,11 +46,11 @@ class Aborted(Exception):
 def auto_processes(blob_bytes: int, cores: int | None = None) -> int:
     """How many transfer processes a fetch of ``blob_bytes`` uses on its own: none on a small
     pull or a host of under 4 cores (there the cores, not the interpreter lock, are the limit),
-    else one per THREADS_PER_PROCESS cores (at least 2, at most MAX_PROCESSES)."""
+    else one per CORES_PER_PROCESS cores (at least 2, at most MAX_PROCESSES)."""
     cores = cores or os.cpu_count() or 1
     if blob_bytes < MIN_BYTES or cores < 4:
         return 0
-    return max(2, min(MAX_PROCESSES, cores // THREADS_PER_PROCESS))
+    return max(2, min(MAX_PROCESSES, cores // CORES_PER_PROCESS))
 
 
 class _Worker:

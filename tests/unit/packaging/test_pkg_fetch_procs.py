@@ -35,7 +35,8 @@ def test_a_blob_plan_crosses_to_a_worker_unchanged() -> None:
     (100 << 20, 16, 0),  # a small pull: not worth starting processes
     (4 << 30, 2, 0),  # two cores: the cores are the limit, not the interpreter lock
     (4 << 30, 4, 2),
-    (4 << 30, 16, 4),
+    (4 << 30, 8, 4),
+    (4 << 30, 16, 8),
     (40 << 30, 64, fetch_procs.MAX_PROCESSES),
 ])
 def test_how_many_transfer_processes(size: int, cores: int, want: int) -> None:
