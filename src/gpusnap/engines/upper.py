@@ -10,6 +10,7 @@ same code in a child interpreter instead (``python -m gpusnap.engines.upper``).
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -29,20 +30,52 @@ def pack_upper(upper: Path, archive: Path) -> None:
             tar.add(entry, arcname=entry.name)
 
 
-def unpack_upper(archive: Path, upper: Path) -> None:
+def unpack_upper(archive: Path, upper: Path, *, tar_binary: str | None = "auto") -> None:
     """Unpack a writable layer, refusing entries that could land outside ``upper``.
 
-    Python's ``filter="data"`` would refuse overlay whiteouts (character devices 0/0), so the
-    ``tar`` filter is used and every other device type is refused here.
+    Every entry is checked before anything is written: no absolute or ``..`` name or hard-link
+    target, no device but overlay whiteouts (character devices 0/0; Python's ``filter="data"``
+    would refuse those, so it cannot do this check). Then GNU tar unpacks it where there is one
+    (``tar_binary``: "auto" finds it, None forces tarfile): a torch.compile cache of ~5,000 files
+    took 0.75 s through tarfile and 0.11 s through tar on the 2-core CI machine, and this sits on
+    the restore's critical path. GNU tar also never writes through a symlink the archive made
+    (it sets such links last), keeps modes as packed (as root) and, with ``--numeric-owner``,
+    the container's numeric owners rather than this host's names for them.
     """
     with tarfile.open(archive, "r", copybufsize=COPY_BUFSIZE) as tar:
-        for m in tar.getmembers():
-            parts = m.name.split("/")
-            if m.name.startswith("/") or ".." in parts or "\x00" in m.name:
-                raise RestoreError(f"{archive}: entry {m.name!r} would land outside the root filesystem; the checkpoint is damaged or not gpusnap's")
-            if m.isdev() and not (m.ischr() and m.devmajor == 0 and m.devminor == 0):
-                raise RestoreError(f"{archive}: entry {m.name!r} is a device file, not an overlay whiteout; refusing it")
-        tar.extractall(upper, filter="tar")
+        members = tar.getmembers()
+        for m in members:
+            _check_member(archive, m)
+        gnu = _gnu_tar() if tar_binary == "auto" else tar_binary
+        if gnu is None:
+            tar.extractall(upper, members=members, filter="tar")
+            return
+    proc = subprocess.run([gnu, "-x", "-f", str(archive), "-C", str(upper), "--numeric-owner"], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        raise RestoreError(f"{archive}: cannot unpack the writable layer: {lines[-1] if lines else f'tar exit {proc.returncode}'}")
+
+
+def _check_member(archive: Path, m: tarfile.TarInfo) -> None:
+    for name in (m.name, m.linkname) if m.islnk() else (m.name,):
+        parts = name.split("/")
+        if name.startswith("/") or ".." in parts or "\x00" in name:
+            raise RestoreError(f"{archive}: entry {m.name!r} would land outside the root filesystem; the checkpoint is damaged or not gpusnap's")
+    if m.isdev() and not (m.ischr() and m.devmajor == 0 and m.devminor == 0):
+        raise RestoreError(f"{archive}: entry {m.name!r} is a device file, not an overlay whiteout; refusing it")
+
+
+def _gnu_tar() -> str | None:
+    """GNU tar's path, or None (busybox's and bsdtar's options and safeguards differ)."""
+    tar = shutil.which("tar")
+    if tar is None:
+        return None
+    try:
+        out = subprocess.run([tar, "--version"], capture_output=True, text=True, check=False, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return tar if "GNU tar" in out else None
 
 
 def unpack_upper_apart(archive: Path, upper: Path) -> None:

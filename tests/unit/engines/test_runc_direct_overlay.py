@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import stat
 import tarfile
 from pathlib import Path
@@ -56,7 +57,8 @@ def test_old_records_read_without_overlay_field() -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a whiteout is a character device: mknod needs root")
-def test_upper_layer_round_trip_keeps_files_links_and_whiteouts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tar_binary", ["auto", None], ids=["gnu-tar", "tarfile"])
+def test_upper_layer_round_trip_keeps_files_links_and_whiteouts(tmp_path: Path, tar_binary: str | None) -> None:
     upper = tmp_path / "upper"
     (upper / "usr" / "bin").mkdir(parents=True)
     (upper / "usr" / "bin" / "link_remap.3").write_bytes(b"\x7fELF...")
@@ -68,7 +70,7 @@ def test_upper_layer_round_trip_keeps_files_links_and_whiteouts(tmp_path: Path) 
     pack_upper(upper, archive)
     out = tmp_path / "out"
     out.mkdir()
-    unpack_upper(archive, out)
+    unpack_upper(archive, out, tar_binary=tar_binary)
     assert (out / "usr" / "bin" / "link_remap.3").read_bytes() == b"\x7fELF..."
     assert os.stat(out / "usr" / "bin" / "link_remap.3").st_mode & 0o777 == 0o755
     assert os.readlink(out / "etc" / "alias") == "../usr/bin/link_remap.3"
@@ -91,6 +93,35 @@ def test_unpack_refuses_entries_outside(tmp_path: Path, name: str) -> None:
     with pytest.raises(RestoreError, match="outside the root filesystem"):
         unpack_upper(archive, tmp_path / "out")
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_unpack_refuses_a_hard_link_to_outside(tmp_path: Path) -> None:
+    m = tarfile.TarInfo("etc/shadow-copy")
+    m.type, m.linkname = tarfile.LNKTYPE, "../../etc/shadow"
+    archive = _tar_with(tmp_path, m)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(RestoreError, match="outside the root filesystem"):
+        unpack_upper(archive, tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tar") is None, reason="owners as packed need root; GNU tar")
+def test_gnu_tar_unpack_keeps_numeric_owners_and_special_mode_bits(tmp_path: Path) -> None:
+    """A container's /tmp keeps its sticky bit and a file keeps its numeric owner, even one
+    this host has no name for (tarfile's "tar" filter clears the high mode bits)."""
+    upper = tmp_path / "upper"
+    (upper / "tmp").mkdir(parents=True)
+    os.chmod(upper / "tmp", 0o1777)
+    (upper / "tmp" / "f").write_text("x")
+    os.chown(upper / "tmp" / "f", 54321, 54322)
+    archive = tmp_path / "upper.tar"
+    pack_upper(upper, archive)
+    out = tmp_path / "out"
+    out.mkdir()
+    unpack_upper(archive, out)
+    assert os.stat(out / "tmp").st_mode & 0o7777 == 0o1777
+    st = os.stat(out / "tmp" / "f")
+    assert (st.st_uid, st.st_gid) == (54321, 54322)
 
 
 def test_unpack_refuses_real_device_files(tmp_path: Path) -> None:
