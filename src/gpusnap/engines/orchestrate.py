@@ -281,6 +281,7 @@ def checkpoint(
         raise UsageError("--podman-image says how --push uploads the checkpoint; add --push REF")
     if podman_image and encryption is not None:
         raise UsageError(PODMAN_IMAGE_ENCRYPTED)
+    begun = time.perf_counter()
     if output is not None and output.exists():
         raise UsageError(f"{output} already exists; pick a new --output path or remove it")
     api = None if output is not None else packaging_api()
@@ -297,9 +298,15 @@ def checkpoint(
     facts = gather(settings, with_gpus=False)
     require_compatible(None, facts, what=info.name)  # CRIU present and new enough
     recover_interrupted(settings, notice or progress)
+    prepared = round(time.perf_counter() - begun, 3)
     with workdirs.claim(settings.state_dir / "tmp") as work:
-        return _checkpoint_in(work, settings, eng, info, facts, opts=opts, push=push, output=output, insecure=insecure,
-                              progress=progress, ref=ref, encryption=encryption, podman_image=podman_image, api=api)
+        outcome = _checkpoint_in(work, settings, eng, info, facts, opts=opts, push=push, output=output, insecure=insecure,
+                                 progress=progress, ref=ref, encryption=encryption, podman_image=podman_image, api=api)
+    outcome.timings_s = {PREPARE_CHECKPOINT: prepared, **outcome.timings_s}
+    return outcome
+
+
+PREPARE_CHECKPOINT = "find the container, check the host"  # before any step (timings_s)
 
 
 def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerInfo, facts: HostFacts, *, opts: CheckpointOptions,
@@ -468,7 +475,8 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
     except BaseException:
         workdirs.release(work)
         raise
-    workdirs.release(work)
+    cleanup = time.perf_counter()
+    workdirs.release(work, background=True)  # stored (or written out): the image is of no more use
     stored = state.get("stored")
     outcome = CheckpointOutcome(
         container=info,
@@ -481,7 +489,7 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         podman_image=bool(push and podman_image),
         digest=str(getattr(stored, "digest", "") or ""),
         size=int(getattr(stored, "size", 0) or 0) if stored is not None else _path_size(output),
-        timings_s={r.name: round(r.seconds, 3) for r in records},
+        timings_s={**{r.name: round(r.seconds, 3) for r in records}, "remove the work dir": round(time.perf_counter() - cleanup, 3)},
         stored_while_dumping=int(state.get("while_dumping", 0)),
     )
     return outcome

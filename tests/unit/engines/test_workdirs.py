@@ -279,3 +279,39 @@ def test_the_mount_table_reads_escaped_and_non_ascii_points_back() -> None:
         "garbage line",
     ])
     assert workdirs.mount_table(mountinfo) == [("/run/a b\tc", "tmpfs"), ("/run/back\\slash", "ext4"), ("/run/réseau", "tmpfs")]
+
+
+def _wait_gone(path: Path, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not path.exists()
+
+
+def test_a_background_release_moves_the_dir_away_at_once_and_removes_it_later(tmp_path: Path) -> None:
+    base = tmp_path / "tmp"
+    with workdirs.claim(base) as work:
+        (work / "checkpoint").mkdir()
+        (work / "checkpoint" / "pages-1.img").write_bytes(os.urandom(1 << 20))
+        workdirs.release(work, background=True, mountinfo="")
+        assert not work.exists()  # gone from its name before release returns
+    assert _wait_gone(base / (workdirs.GONE_PREFIX + work.name)), "the detached rm did not remove the moved dir"
+    assert list(base.iterdir()) == []
+
+
+def test_a_background_release_removes_in_place_when_rm_cannot_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(workdirs, "remove_detached", lambda path: False)
+    base = tmp_path / "tmp"
+    with workdirs.claim(base) as work:
+        (work / "f").write_text("x")
+        workdirs.release(work, background=True, mountinfo="")
+    assert list(base.iterdir()) == []
+
+
+def test_the_sweep_finishes_a_background_removal_that_was_cut_short(tmp_path: Path) -> None:
+    base = tmp_path / "tmp"
+    left = base / f"{workdirs.GONE_PREFIX}work-1-abc"
+    (left / "checkpoint").mkdir(parents=True)
+    (left / "checkpoint" / "pages-1.img").write_bytes(b"x" * 4096)
+    assert sweep(base, recover=None, container_running=lambda record: None) == []
+    assert _wait_gone(left)
