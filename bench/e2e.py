@@ -1101,7 +1101,9 @@ def versions(gpusnap: str, runc: str) -> dict[str, str]:
         except (OSError, IndexError, subprocess.TimeoutExpired):
             return "?"
 
-    v = {"commit": first(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]), "gpusnap": first([gpusnap, "--version"]), "runc": first([runc, "--version"]), "criu": first(["criu", "--version"]), "python": sys.version.split()[0]}
+    staged = REPO / "COMMIT"  # tests/gpu/stage.sh's copy is no git checkout: it says which commit it is
+    commit = staged.read_text().strip() if staged.is_file() else first(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    v = {"commit": commit, "gpusnap": first([gpusnap, "--version"]), "runc": first([runc, "--version"]), "criu": first(["criu", "--version"]), "python": sys.version.split()[0]}
     if shutil.which("nvidia-smi"):
         v["gpu"] = first(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     return v

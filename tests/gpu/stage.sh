@@ -16,6 +16,8 @@ TOOLS=${2:-}
 mkdir -p "$DEST/.whl"
 rm -rf "$DEST/tests" "$DEST/bench"
 cp -r "$SRC/tests" "$SRC/bench" "$SRC/pyproject.toml" "$DEST/"
+# The commit the results belong to (bench/e2e.py reads it: the staged copy is no git checkout).
+git -C "$SRC" describe --always --dirty > "$DEST/COMMIT" 2>/dev/null || true
 find "$DEST" -name __pycache__ -prune -exec rm -rf {} +
 if [ -n "$TOOLS" ]; then
   rm -rf "$DEST/.gpu-tools"; cp -r "$TOOLS" "$DEST/.gpu-tools"

@@ -373,12 +373,14 @@ class _BlobRouter:
 
 
 class FileMaps:
-    """Shared read-write mappings of the image directory's files, made on first use, one per
-    file for the whole process (every transfer thread writes through the same one).
+    """Shared read-write mappings of windows of the image directory's files, one run of
+    pieces at a time (:class:`_MappedRouter` unmaps each once its pieces are checked, so a
+    transfer process never holds more of the image mapped than the runs it is receiving: its
+    resident size stays that of the interpreter, not of the image).
 
     Why map: a file takes one writer at a time through ``pwrite`` (the inode lock), so many
     transfers writing one pages file queue there — 2.3 GB/s for 16 writers on a tmpfs, 7.3 with
-    huge pages — while copies into a shared mapping of the same file run side by side (28 GB/s
+    huge pages — while copies into shared mappings of the same file run side by side (28 GB/s
     measured; bench/results/gpu-h100-pull-2026-11-25). With a mapping the socket read itself
     lands the bytes in the file. The catch: a write through a mapping that finds no space is a
     SIGBUS, not an error — so only a filesystem whose space is reserved for this image gets
@@ -388,34 +390,30 @@ class FileMaps:
 
     def __init__(self, fds: dict[str, int]) -> None:
         self.fds = fds
-        self._views: dict[str, memoryview] = {}
-        self._maps: list[mmap.mmap] = []
-        self._lock = threading.Lock()
 
-    def view(self, path: str) -> memoryview:
-        v = self._views.get(path)
-        if v is None:
-            with self._lock:
-                v = self._views.get(path)
-                if v is None:
-                    fd = self.fds[path]
-                    mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                    self._maps.append(mm)
-                    v = self._views[path] = memoryview(mm)
-        return v
+    def window(self, path: str, start: int, end: int) -> "_Window":
+        """Bytes [start, end) of ``path``, mapped shared and writable."""
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(self.fds[path], end - base, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
+        return _Window(mm, memoryview(mm), base)
+
+
+@dataclass
+class _Window:
+    mm: mmap.mmap
+    view: memoryview
+    base: int  # the file offset of view[0]
+
+    def piece(self, offset: int, length: int) -> memoryview:
+        return self.view[offset - self.base:offset - self.base + length]
 
     def close(self) -> None:
-        """Unmap now where nothing still holds a slice; else when the last slice goes."""
-        with self._lock:
-            for v in self._views.values():
-                v.release()
-            self._views.clear()
-            for mm in self._maps:
-                try:
-                    mm.close()
-                except BufferError:
-                    pass
-            self._maps.clear()
+        """Unmap now, or when the last slice handed out is gone."""
+        self.view.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
 
 
 @dataclass
@@ -458,6 +456,14 @@ class _MappedRouter(_BlobRouter):
         self.ri = 0  # the run at or after the read position
         self.vi = 0  # the first direct piece not checked yet
         self.in_map = False
+        self._unmap()
+
+    def _unmap(self) -> None:
+        win = getattr(self, "win", None)
+        if win is not None:
+            win.close()
+        self.win: _Window | None = None
+        self.win_run = -1
 
     def target(self, scratch: memoryview) -> memoryview:
         """Where the next read goes: the current run's place in its file's mapping, or the
@@ -468,9 +474,12 @@ class _MappedRouter(_BlobRouter):
             self.ri += 1
         if self.ri < len(runs) and runs[self.ri].b0 <= pos:
             run = runs[self.ri]
-            at = run.f0 + (pos - run.b0)
+            if self.win_run != self.ri:  # the run before is done and checked (landed): its window goes
+                self._unmap()
+                self.win, self.win_run = self.maps.window(run.path, run.f0, run.f0 + run.b1 - run.b0), self.ri
+            assert self.win is not None
             self.in_map = True
-            return self.maps.view(run.path)[at:at + min(run.b1 - pos, self.MAX_READ)]
+            return self.win.piece(run.f0 + (pos - run.b0), min(run.b1 - pos, self.MAX_READ))
         self.in_map = False
         upto = runs[self.ri].b0 if self.ri < len(runs) else self.end
         return scratch[:upto - pos] if pos < upto else scratch
@@ -486,14 +495,17 @@ class _MappedRouter(_BlobRouter):
             self.vi += 1
 
     def _check(self, p: Placement) -> None:
-        piece = self.maps.view(p.path)[p.file_offset:p.file_offset + p.raw_length]
-        if hashlib.sha256(piece).digest() != p.sha256:
+        assert self.win is not None  # a piece is checked right after the read that completed it, in its run's window
+        if hashlib.sha256(self.win.piece(p.file_offset, p.raw_length)).digest() != p.sha256:
             raise IntegrityError(f"the piece at byte {p.file_offset} of {p.path} does not match its digest; refusing it")
 
     def finish(self) -> None:
-        super().finish()
-        if self.vi != len(self.direct):
-            raise IntegrityError(f"blob {self.bp.descriptor.digest} from the registry ended before all its pieces; refusing it")
+        try:
+            super().finish()
+            if self.vi != len(self.direct):
+                raise IntegrityError(f"blob {self.bp.descriptor.digest} from the registry ended before all its pieces; refusing it")
+        finally:
+            self._unmap()
 
 
 def _direct_pieces(placements: list[Placement]) -> list[Placement]:
