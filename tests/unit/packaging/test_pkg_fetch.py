@@ -204,11 +204,17 @@ def test_mapped_router_receives_only_the_span_of_a_shared_pack(tmp_path: Path) -
     assert router.start == len(unused) and out["f"] == piece
 
 
+def _one_piece_router(tmp_path: Path, piece: bytes) -> tuple[_MappedRouter, dict[str, int]]:
+    """A mapped router for a blob that is one raw piece, the whole of file ``f``."""
+    fds = {"f": _create_sparse(tmp_path, "f", len(piece))}
+    router = make_router(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(piece), len(piece)), [_raw("f", 0, 0, piece)]), fds, FileMaps(fds))
+    assert isinstance(router, _MappedRouter)
+    return router, fds
+
+
 def test_mapped_router_refuses_a_blob_that_ends_early(tmp_path: Path) -> None:
     piece = os.urandom(20_000)
-    fds = {"f": _create_sparse(tmp_path, "f", len(piece))}
-    maps = FileMaps(fds)
-    router = make_router(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(piece), len(piece)), [_raw("f", 0, 0, piece)]), fds, maps)
+    router, fds = _one_piece_router(tmp_path, piece)
     dst = router.target(memoryview(bytearray(100)))
     dst[:5000] = piece[:5000]
     router.landed(bytearray(), 5000)
@@ -219,9 +225,7 @@ def test_mapped_router_refuses_a_blob_that_ends_early(tmp_path: Path) -> None:
 
 def test_mapped_router_hands_out_the_buffer_past_the_end_so_an_oversized_blob_is_seen(tmp_path: Path) -> None:
     piece = os.urandom(10_000)
-    fds = {"f": _create_sparse(tmp_path, "f", len(piece))}
-    maps = FileMaps(fds)
-    router = make_router(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(piece), len(piece)), [_raw("f", 0, 0, piece)]), fds, maps)
+    router, fds = _one_piece_router(tmp_path, piece)
     dst = router.target(memoryview(bytearray(100)))
     assert len(dst) == len(piece)  # no more than the piece: the mapping is never written past it
     dst[:] = piece
