@@ -13,6 +13,34 @@ from typing import Any
 
 METADATA_FILE = "gpusnap.json"
 METADATA_VERSION = 1
+# Written by the runtime beside gpusnap.json after a restore: how long each of its steps took
+# (the GPU plan's, runc's, the hooks'), read back by whoever asked for the restore.
+RESTORE_TIMINGS_FILE = "gpusnap-restore.json"
+
+
+def merge_restore_timings(image_dir: Path, extra: dict[str, Any]) -> None:
+    """Add ``extra``'s keys to ``image_dir``'s restore timings file (made when missing).
+
+    Best effort: a read-only image directory (an engine's export) must not fail a restore that
+    worked only because its timings could not be written."""
+    path = image_dir / RESTORE_TIMINGS_FILE
+    try:
+        current = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(current, dict):
+            current = {}
+        current.update(extra)
+        path.write_text(json.dumps(current, indent=2))
+    except (OSError, ValueError):
+        pass
+
+
+def read_restore_timings(image_dir: Path) -> dict[str, Any]:
+    """What :func:`merge_restore_timings` wrote, or {} (no file, or not JSON)."""
+    try:
+        data = json.loads((image_dir / RESTORE_TIMINGS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 @dataclass

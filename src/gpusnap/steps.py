@@ -127,3 +127,20 @@ def signals_as_exceptions(signums: Sequence[int] = (signal.SIGTERM, signal.SIGIN
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def process_age_s(proc: str = "/proc") -> float | None:
+    """Seconds since this process started (the kernel's start time, in clock ticks): what came
+    before the first step, the interpreter's start and the imports included, which no clock the
+    process starts itself can see. None where /proc cannot tell."""
+    import os
+
+    try:
+        with open(f"{proc}/self/stat", "rb") as fh:
+            stat = fh.read()
+        # Field 22; the command name (field 2) may hold spaces and ')' so count from its end.
+        started_ticks = int(stat[stat.rindex(b")") + 2:].split()[19])
+        ticks = os.sysconf("SC_CLK_TCK")
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / ticks)
+    except (OSError, ValueError, IndexError):
+        return None

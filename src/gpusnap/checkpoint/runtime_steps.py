@@ -32,10 +32,10 @@ from gpusnap.errors import ExitCode, GpusnapError, RestoreError, UsageError
 from gpusnap.gpu.base import ContainerRef, GpuPlan
 from gpusnap.gpu.devnodes import retarget_step
 from gpusnap.gpu.plan import make_gpu_plan
-from gpusnap.metadata import CheckpointMetadata
+from gpusnap.metadata import CheckpointMetadata, merge_restore_timings
 from gpusnap.runc.invoke import run_runc, runc_version
 from gpusnap.runc.argv import Invocation, with_global_flag
-from gpusnap.steps import Step, StepFailed, run_steps, signals_as_exceptions
+from gpusnap.steps import Step, StepFailed, StepRecord, process_age_s, run_steps, signals_as_exceptions
 
 # How often a foreground restore polls `runc state` while waiting for the container to run.
 _POLL_S = 0.05
@@ -194,6 +194,7 @@ def restore_marker(settings: Settings, container_id: str) -> Path:
 def marker_step(marker: Path) -> Step:
     def create() -> None:
         marker.parent.mkdir(parents=True, exist_ok=True)
+        hook_timings_path(marker).unlink(missing_ok=True)  # a killed restore's
         marker.write_text(f"{os.getpid()}\n")
 
     return Step("restore marker", create, lambda: marker.unlink(missing_ok=True))
@@ -214,13 +215,16 @@ def criu_env(annotations: Mapping[str, str]) -> dict[str, str]:
 
 
 def restore(
-    call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan | None = None, *, spec: dict[str, object] | None = None
+    call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan | None = None, *, spec: dict[str, object] | None = None,
+    planned_s: float | None = None,
 ) -> int:
     """``runc restore`` (detached or foreground) with the GPU plan around it.
 
     ``spec`` is the bundle's config.json as the spec modifiers left it: its GPU device numbers
     are written into CRIU's /dev image (gpusnap.gpu.devnodes) and its ``gpusnap.io/criu-env``
-    joins runc's environment."""
+    joins runc's environment. ``planned_s``: how long the caller took to plan ``spec_steps``,
+    reported with the steps' own times in the image directory's restore timings."""
+    age_at_entry = process_age_s()
     criu = find_criu(settings)
     plan = make_gpu_plan(settings) if plan is None else plan
     image_dir = call.image_dir()
@@ -258,13 +262,52 @@ def restore(
     runner = _Foreground(call, args, env) if not detached else None
     # Held until the container runs, not for a foreground container's whole life.
     with operation_lock(settings, call.container_id, error=RestoreError):
-        _restore_locked(call, settings, spec_steps, plan, image_dir, meta, ref, args, env, marker, runner, read_spec, restored_spec)
+        records, hooks = _restore_locked(call, settings, spec_steps, plan, image_dir, meta, ref, args, env, marker, runner, read_spec, restored_spec)
+    record_restore_timings(image_dir, records, hooks, age_at_entry, planned_s)
     return 0 if runner is None else runner.wait()
+
+
+def record_restore_timings(image_dir: Path, records: list[StepRecord], hooks: dict[str, float], age_at_entry: float | None,
+                           planned_s: float | None) -> None:
+    """The runtime's side of a restore, beside the GPU plan's timings in the image directory:
+    each step, the hooks runc ran meanwhile, and what came before the steps (the interpreter's
+    start and imports, planning the spec), so that the caller can tell where the time went."""
+    steps: dict[str, float] = {}
+    for r in records:
+        steps[r.name] = round(steps.get(r.name, 0.0) + r.seconds, 4)
+    extra: dict[str, Any] = {"steps_s": steps, "hooks_s": hooks}
+    if age_at_entry is not None:
+        extra["before_steps_s"] = {"start-up and imports": round(age_at_entry - (planned_s or 0.0), 4),
+                                   **({"plan the spec": round(planned_s, 4)} if planned_s is not None else {})}
+    age = process_age_s()
+    if age is not None:
+        extra["total_s"] = round(age, 4)
+    merge_restore_timings(image_dir, extra)
+
+
+def hook_timings_path(marker: Path) -> Path:
+    """Where gpusnap-hook, run by runc during this restore, notes how long it ran."""
+    return marker.with_name(marker.name + ".hooks")
+
+
+def _read_hook_timings(path: Path) -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            doc = json.loads(line)
+            out[str(doc["stage"])] = round(out.get(str(doc["stage"]), 0.0) + float(doc["seconds"]), 4)
+        except (ValueError, KeyError, TypeError):
+            continue  # a hook killed mid-line: its time is simply unknown
+    return out
 
 
 def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan, image_dir: Path, meta: CheckpointMetadata | None,
                     ref: ContainerRef, args: list[str], env: dict[str, str], marker: Path, runner: "_Foreground | None",
-                    read_spec: Callable[[], None], restored_spec: dict[str, Any]) -> None:
+                    read_spec: Callable[[], None], restored_spec: dict[str, Any]) -> tuple[list[StepRecord], dict[str, float]]:
 
     def do_restore() -> None:
         if runner is None:
@@ -292,10 +335,13 @@ def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], 
         Step("runc restore", do_restore, undo_restore),
         *plan.after_restore(ref, image_dir, meta),
     ]
+    hooks_path = hook_timings_path(marker)
     try:
-        run_steps(steps)
+        records = run_steps(steps)
+        return records, _read_hook_timings(hooks_path)
     finally:
         marker.unlink(missing_ok=True)
+        hooks_path.unlink(missing_ok=True)
 
 
 class _Foreground:

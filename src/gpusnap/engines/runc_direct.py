@@ -51,6 +51,7 @@ from gpusnap.errors import (
 )
 from gpusnap.engines.upper import pack_upper, unpack_upper_apart
 from gpusnap.steps import Step, run_steps
+from gpusnap.metadata import read_restore_timings
 
 NAME = "runc-direct"
 BUNDLE_RECORD = "runc-direct.json"
@@ -549,6 +550,8 @@ class RuncDirectEngine(EngineBase):
         records = run_steps(steps)
         if timings is not None:
             timings.update({r.name: round(r.seconds, 3) for r in records})
+            if restore_from is not None:
+                timings.update(runtime_restore_timings(restore_from))
 
     def checkpoint(self, container: ContainerInfo, dest: Path, opts: CheckpointOptions) -> EngineCheckpoint:
         rec = self._load(container.name)
@@ -687,6 +690,21 @@ class RuncDirectEngine(EngineBase):
     def logs(self, container: ContainerInfo) -> str:
         path = self.log_path(container.name)
         return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def runtime_restore_timings(image_dir: Path) -> dict[str, float]:
+    """The runtime's own account of a restore (gpusnap-runtime writes it into the image
+    directory; runc alone writes none), flat, each name under "runtime: "."""
+    data = read_restore_timings(image_dir)
+    out: dict[str, float] = {}
+    groups = (("before_steps_s", ""), ("steps_s", ""), ("hooks_s", "hook "), ("timings_s", "gpu plan: "))
+    for key, prefix in groups:
+        part = data.get(key)
+        if isinstance(part, dict):
+            out.update({f"runtime: {prefix}{name}": float(v) for name, v in part.items() if isinstance(v, (int, float))})
+    if isinstance(data.get("total_s"), (int, float)):
+        out["runtime: total"] = float(data["total_s"])
+    return out
 
 
 def _upper_archive(restore_from: Path | None) -> Path | None:

@@ -13,7 +13,6 @@ gpusnap.io/gpus or NVIDIA_VISIBLE_DEVICES), else any of this host's.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,10 +26,10 @@ from gpusnap.gpu.compat import check_host
 from gpusnap.gpu.procs import container_pids, host_pid_by_ns_pid
 from gpusnap.gpu.selection import assigned_gpus
 from gpusnap.gpu.unsupported import uses_nvidia_devices
-from gpusnap.metadata import CheckpointMetadata, GpuProcess
+from gpusnap.metadata import RESTORE_TIMINGS_FILE, CheckpointMetadata, GpuProcess, merge_restore_timings
 from gpusnap.steps import Step
 
-RESTORE_TIMINGS_FILE = "gpusnap-restore.json"
+__all__ = ["RESTORE_TIMINGS_FILE", "CudaPlan", "NoDriverPlan", "make_backend", "make_gpu_plan"]
 
 
 @dataclass
@@ -175,10 +174,7 @@ class CudaPlan:
             meta.extra["restore_timings_s"] = timings
             if run.remap:
                 meta.extra["restore_gpu_remap"] = dict(run.remap)
-            try:
-                (image_dir / RESTORE_TIMINGS_FILE).write_text(json.dumps({"timings_s": timings, "gpu_remap": run.remap}, indent=2))
-            except OSError:
-                pass  # a read-only image (e.g. an engine's export) must not fail a restore that worked
+            merge_restore_timings(image_dir, {"timings_s": timings, "gpu_remap": run.remap})
 
         return [
             Step("gpu: map restored processes to host PIDs", map_pids),

@@ -208,6 +208,25 @@ def run_stage(stage: str, state: State, settings: Settings) -> str:
     raise UsageError(f"unknown stage {stage!r}; use one of {', '.join(STAGES)}")
 
 
+def note_restore_time(settings: Settings, container_id: str, stage: str) -> None:
+    """During a restore, add how long this hook ran (its interpreter's start included) to the
+    shim's record of the restore: runc runs some hooks while CRIU waits for them."""
+    marker = settings.run_dir / "restoring" / container_id
+    if not marker.exists():
+        return
+    from gpusnap.steps import process_age_s
+
+    age = process_age_s()
+    if age is None:
+        return
+    try:
+        # One short append per hook; O_APPEND keeps two hooks' lines whole.
+        with open(marker.with_name(marker.name + ".hooks"), "a") as fh:
+            fh.write(json.dumps({"stage": stage, "seconds": round(age, 4)}) + "\n")
+    except OSError:
+        pass  # timings only: never fail the hook for them
+
+
 USAGE = f"usage: gpusnap-hook STAGE  (STAGE: {' | '.join(STAGES)}); the OCI state JSON comes on stdin"
 
 
@@ -229,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         state = parse_state(sys.stdin.read())
         settings = load_settings()
         message = run_stage(stage, state, settings)
+        note_restore_time(settings, state.id, stage)
     except GpusnapError as exc:
         print(f"gpusnap-hook {stage}: {exc}", file=sys.stderr)
         return int(exc.exit_code)

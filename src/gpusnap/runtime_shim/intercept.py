@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from gpusnap import __version__
@@ -114,6 +115,9 @@ def dispatch(inv: Invocation, runc: str, env: Mapping[str, str]) -> int:
         except StepFailed as exc:
             report(inv, str(exc))
             return int(exc.exit_code)
+    from gpusnap.gpu.warm import start_driver_warmup
+
+    start_driver_warmup(settings.gpu_backend)  # beside the imports and steps below (gpu/warm.py)
     from gpusnap.checkpoint.runtime_steps import RuncCall, checkpoint, failure_exit_code, restore
 
     call = RuncCall(runc=runc, inv=inv, env=env, cwd=cwd)
@@ -121,8 +125,9 @@ def dispatch(inv: Invocation, runc: str, env: Mapping[str, str]) -> int:
         if command == "checkpoint":
             return checkpoint(call, settings)
         if command == "restore":
+            spec_start = time.perf_counter()
             steps, spec = spec_plan(inv, settings, call.cwd)
-            return restore(call, settings, steps, spec=spec)
+            return restore(call, settings, steps, spec=spec, planned_s=time.perf_counter() - spec_start)
     except StepFailed as exc:
         default = ExitCode.CHECKPOINT_FAILED if command == "checkpoint" else ExitCode.RESTORE_FAILED
         code = failure_exit_code(exc, default)

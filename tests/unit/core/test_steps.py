@@ -87,3 +87,23 @@ def test_a_signal_mid_sequence_rolls_back():
     assert "SIGTERM" in str(info.value)
     assert log == ["do a", "do kill", "undo a"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_process_age_reads_the_kernels_start_time(tmp_path):
+    from gpusnap.steps import process_age_s
+
+    age = process_age_s()
+    assert age is not None and 0 <= age < 3600
+    fake = tmp_path / "self"
+    fake.mkdir()
+    ticks = os.sysconf("SC_CLK_TCK")
+    import time
+
+    # A command name with spaces and ')' must not shift the fields; started 2 s ago.
+    started = int((time.clock_gettime(time.CLOCK_BOOTTIME) - 2.0) * ticks)
+    fields = ["S"] + ["0"] * 18 + [str(started)] + ["0"] * 10
+    (fake / "stat").write_text(f"4242 (odd ) name) {' '.join(fields)}\n")
+    assert 1.9 <= process_age_s(str(tmp_path)) <= 2.5
+    (fake / "stat").write_text("garbage")
+    assert process_age_s(str(tmp_path)) is None
+    assert process_age_s(str(tmp_path / "missing")) is None

@@ -111,3 +111,18 @@ def test_a_carried_spec_decides_no_host_side_part_of_the_restore() -> None:
     assert "hooks" not in out
     assert out["annotations"] == {**make_spec("x", ["sh"], Path("/r"), [], None)["annotations"], "io.gpusnap.name": "new",
                                   "gpusnap.io/criu-options": "file-locks"}  # the container's own request, re-checked at restore
+
+
+def test_runtime_restore_timings_are_flattened_under_runtime(tmp_path: Path) -> None:
+    from gpusnap.engines.runc_direct import runtime_restore_timings
+    from gpusnap.metadata import merge_restore_timings
+
+    assert runtime_restore_timings(tmp_path) == {}  # plain runc writes none
+    merge_restore_timings(tmp_path, {"timings_s": {"runc_restore": 1.5, "gpu_restore": 0.4}, "gpu_remap": {}})
+    merge_restore_timings(tmp_path, {"steps_s": {"runc restore": 1.6}, "hooks_s": {"prestart": 0.04},
+                                     "before_steps_s": {"start-up and imports": 0.2}, "total_s": 2.5})
+    assert runtime_restore_timings(tmp_path) == {
+        "runtime: start-up and imports": 0.2, "runtime: runc restore": 1.6, "runtime: hook prestart": 0.04,
+        "runtime: gpu plan: runc_restore": 1.5, "runtime: gpu plan: gpu_restore": 0.4, "runtime: total": 2.5}
+    (tmp_path / "gpusnap-restore.json").write_text("[not an object")
+    assert runtime_restore_timings(tmp_path) == {}

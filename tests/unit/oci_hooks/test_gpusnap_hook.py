@@ -123,6 +123,20 @@ def test_during_restore_skips_mount_tree_work_and_counts_restores(tmp_path: Path
     assert rec["pid"] == 777 and rec["restores"] == 1
 
 
+def test_hooks_run_during_a_restore_note_their_time_for_the_shim(tmp_path: Path, settings: Settings) -> None:
+    doc = json.dumps(state(tmp_path))
+    notes = settings.run_dir / "restoring" / "gs-dev-h1.hooks"
+    assert run_hook("createRuntime", doc, settings).returncode == 0
+    assert not notes.exists()  # not a restore: nothing noted
+    (settings.run_dir / "restoring").mkdir(parents=True)
+    (settings.run_dir / "restoring" / "gs-dev-h1").touch()
+    for stage in ("prestart", "createRuntime"):
+        assert run_hook(stage, doc, settings).returncode == 0
+    lines = [json.loads(ln) for ln in notes.read_text().splitlines()]
+    assert [ln["stage"] for ln in lines] == ["prestart", "createRuntime"]
+    assert all(0 < ln["seconds"] < 60 for ln in lines)  # the interpreter's start included
+
+
 def test_poststart_updates_record_only_where_visible(tmp_path: Path, settings: Settings) -> None:
     st = hook.parse_state(json.dumps(state(tmp_path, status="running")))
     assert hook.run_stage("poststart", st, settings).startswith("no record")
