@@ -16,6 +16,13 @@ METADATA_VERSION = 1
 # Written by the runtime beside gpusnap.json after a restore: how long each of its steps took
 # (the GPU plan's, runc's, the hooks'), read back by whoever asked for the restore.
 RESTORE_TIMINGS_FILE = "gpusnap-restore.json"
+# Set by a caller that starts the runtime's restore before the container's root filesystem and
+# images are complete (gpusnap's runc-direct engine): a pipe's read end, on which the caller
+# writes "ok" once they are, or anything else (or closes it) to stop the restore. The runtime
+# does all it can before (start-up, imports, the spec, the GPU driver and host check) and waits
+# just before runc (gpusnap.checkpoint.runtime_steps.gate_step): that work goes on beside the
+# caller's instead of after it.
+GATE_ENV = "GPUSNAP_RESTORE_GATE_FD"
 
 
 def merge_restore_timings(image_dir: Path, extra: dict[str, Any]) -> None:

@@ -111,6 +111,53 @@ def _undo(completed: list[tuple[Step, StepRecord]]) -> tuple[list[str], list[tup
     return undone, errors
 
 
+class Beside:
+    """Steps run on a thread of their own while the caller's steps go on, with the same
+    rollback: a failure there undoes what completed there (as :func:`run_steps` does), and
+    :meth:`undo` takes back, newest first, what completed once the caller's own steps fail.
+    Made to be a caller's step itself: ``Step(name, beside.start, beside.undo)``."""
+
+    def __init__(self, steps: Sequence[Step], *, name: str = "gpusnap-beside", clock: Callable[[], float] = time.perf_counter) -> None:
+        import threading
+
+        self.steps = list(steps)
+        self.clock = clock
+        self.records: list[StepRecord] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.records = run_steps(self.steps, clock=self.clock)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self.error = exc
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the steps have ended (done or failed) within ``timeout`` seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def result(self) -> list[StepRecord]:
+        """Wait for the steps; their records, or their StepFailed (already undone there)."""
+        self.wait()
+        if self.error is not None:
+            raise self.error
+        return self.records
+
+    def undo(self) -> None:
+        if not self._thread.is_alive() and not self._thread.ident:
+            return  # never started
+        self.wait()
+        if self.error is not None:
+            return  # undone on its own thread when it failed
+        _, errors = _undo(list(zip(self.steps, self.records)))
+        if errors:
+            raise errors[0][1]
+
+
 @contextmanager
 def signals_as_exceptions(signums: Sequence[int] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) -> Iterator[None]:
     """Turn termination signals into :class:`Interrupted` so running steps roll back.

@@ -32,7 +32,7 @@ from gpusnap.errors import ExitCode, GpusnapError, RestoreError, UsageError
 from gpusnap.gpu.base import ContainerRef, GpuPlan
 from gpusnap.gpu.devnodes import retarget_step
 from gpusnap.gpu.plan import make_gpu_plan
-from gpusnap.metadata import CheckpointMetadata, merge_restore_timings
+from gpusnap.metadata import GATE_ENV, CheckpointMetadata, merge_restore_timings
 from gpusnap.runc.invoke import run_runc, runc_version
 from gpusnap.runc.argv import Invocation, with_global_flag
 from gpusnap.steps import Step, StepFailed, StepRecord, process_age_s, run_steps, signals_as_exceptions
@@ -242,7 +242,8 @@ def restore(
     ref = ContainerRef(container_id=call.container_id, init_pid=0, bundle=bundle)
     args, env = call.criu_args_env(criu)
     annotations = (spec or {}).get("annotations")
-    env = {**env, **criu_env(annotations if isinstance(annotations, dict) else {})}
+    gate = env.get(GATE_ENV)
+    env = {**{k: v for k, v in env.items() if k != GATE_ENV}, **criu_env(annotations if isinstance(annotations, dict) else {})}
     marker = restore_marker(settings, call.container_id)
     restored_spec: dict[str, Any] = {}
 
@@ -262,7 +263,8 @@ def restore(
     runner = _Foreground(call, args, env) if not detached else None
     # Held until the container runs, not for a foreground container's whole life.
     with operation_lock(settings, call.container_id, error=RestoreError):
-        records, hooks = _restore_locked(call, settings, spec_steps, plan, image_dir, meta, ref, args, env, marker, runner, read_spec, restored_spec)
+        records, hooks = _restore_locked(call, settings, spec_steps, plan, image_dir, meta, ref, args, env, marker, runner, read_spec, restored_spec,
+                                         gate)
     record_restore_timings(image_dir, records, hooks, age_at_entry, planned_s)
     return 0 if runner is None else runner.wait()
 
@@ -283,6 +285,35 @@ def record_restore_timings(image_dir: Path, records: list[StepRecord], hooks: di
     if age is not None:
         extra["total_s"] = round(age, 4)
     merge_restore_timings(image_dir, extra)
+
+
+GATE_STEP = "wait for the root filesystem and images"
+
+
+def gate_step(fd_text: str) -> Step:
+    def wait() -> None:
+        try:
+            fd = int(fd_text)
+        except ValueError:
+            raise RestoreError(f"{GATE_ENV}={fd_text[:40]!r} is not a file descriptor; unset it (only gpusnap itself sets it)") from None
+        data = b""
+        try:
+            while not data.endswith(b"\n") and len(data) < 4096:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError as exc:
+            raise RestoreError(f"cannot read the restore's go-ahead from fd {fd} ({exc.strerror}); unset {GATE_ENV}") from None
+        finally:
+            try:
+                os.close(fd)  # runc, CRIU and the container must not inherit it
+            except OSError:
+                pass
+        if data.strip() != b"ok":
+            raise RestoreError("the caller stopped the restore before runc ran: its root filesystem or images could not be made ready")
+
+    return Step(GATE_STEP, wait)
 
 
 def hook_timings_path(marker: Path) -> Path:
@@ -307,7 +338,8 @@ def _read_hook_timings(path: Path) -> dict[str, float]:
 
 def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan, image_dir: Path, meta: CheckpointMetadata | None,
                     ref: ContainerRef, args: list[str], env: dict[str, str], marker: Path, runner: "_Foreground | None",
-                    read_spec: Callable[[], None], restored_spec: dict[str, Any]) -> tuple[list[StepRecord], dict[str, float]]:
+                    read_spec: Callable[[], None], restored_spec: dict[str, Any], gate: str | None = None,
+                    ) -> tuple[list[StepRecord], dict[str, float]]:
 
     def do_restore() -> None:
         if runner is None:
@@ -332,6 +364,7 @@ def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], 
         marker_step(marker),
         *plan.before_restore(image_dir, meta, ref),
         retarget_step(image_dir, restored_spec),
+        *([gate_step(gate)] if gate is not None else []),
         Step("runc restore", do_restore, undo_restore),
         *plan.after_restore(ref, image_dir, meta),
     ]

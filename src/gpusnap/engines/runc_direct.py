@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -50,8 +51,8 @@ from gpusnap.errors import (
     UsageError,
 )
 from gpusnap.engines.upper import pack_upper, unpack_upper_apart
-from gpusnap.steps import Step, run_steps
-from gpusnap.metadata import read_restore_timings
+from gpusnap.metadata import GATE_ENV, read_restore_timings
+from gpusnap.steps import Beside, Step, run_steps
 
 NAME = "runc-direct"
 BUNDLE_RECORD = "runc-direct.json"
@@ -59,6 +60,9 @@ BUSYBOX_ROOTFS = "busybox"  # the default root filesystem: a static busybox tree
 OVERLAY_ROOTFS = "overlay"  # an overlay over RuncDirectRecord.overlay_lower (see mount_overlay)
 UPPER_ARCHIVE = "rootfs-upper.tar"  # an overlay container's writable layer, in its checkpoint
 NETWORK_MODES = ("none", "bridge")
+RUNTIME_TIMEOUT_S = 300  # one runtime call (a restore: from its images being ready)
+BESIDE_STEP = "prepare the root filesystem and images beside the runtime"
+BESIDE_PREFIX = "beside the runtime: "  # timings of what ran on the restore's own threads meanwhile
 WAIT_IMAGES = "wait for the checkpoint images"  # the restore step that waits for the pages files (RestoreOptions.images_ready)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -281,7 +285,7 @@ class RuncDirectEngine(EngineBase):
     def _runtime(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         base, _ = runtime_command(self.settings)
         kw.setdefault("capture_output", True)
-        return subprocess.run([*base, "--root", str(self.runc_root), *args], text=True, check=False, timeout=kw.pop("timeout", 300), **kw)
+        return subprocess.run([*base, "--root", str(self.runc_root), *args], text=True, check=False, timeout=kw.pop("timeout", RUNTIME_TIMEOUT_S), **kw)
 
     def _runtime_state(self, name: str) -> dict[str, Any] | None:
         if not (self.runc_root / name).exists():
@@ -388,7 +392,10 @@ class RuncDirectEngine(EngineBase):
         assert info is not None
         return info
 
-    def _prepare_bundle(self, rec: RuncDirectRecord, spec: dict[str, Any] | None, upper_archive: Path | None, skip_lock: bool) -> list[Step]:
+    def _prepare_bundle(self, rec: RuncDirectRecord, spec: dict[str, Any] | None, upper_archive: Path | None, skip_lock: bool,
+                        beside: list[Step] | None = None) -> list[Step]:
+        """The steps that make the bundle; with ``beside``, the root filesystem's mount goes
+        there instead (run beside the runtime's own start, see :meth:`_start`)."""
         cdir = self.container_dir(rec.name)
         bundle = cdir / "bundle"
         steps: list[Step] = []
@@ -403,8 +410,9 @@ class RuncDirectEngine(EngineBase):
             steps.append(Step("build the busybox root filesystem", lambda: build_busybox_rootfs(bundle / "rootfs")))
         scratch, merged = overlay_paths(cdir)
         if rec.rootfs == OVERLAY_ROOTFS:
-            steps.append(Step("mount the overlay root filesystem", lambda: mount_overlay(Path(rec.overlay_lower), scratch, merged, upper_archive),
-                              lambda: unmount_overlay(scratch, merged)))
+            (steps if beside is None else beside).append(
+                Step("mount the overlay root filesystem", lambda: mount_overlay(Path(rec.overlay_lower), scratch, merged, upper_archive),
+                     lambda: unmount_overlay(scratch, merged)))
         steps.append(Step("set up the network", lambda: self._network_up(rec), lambda: self._network_down(rec)))
 
         def write_spec() -> None:
@@ -474,9 +482,18 @@ class RuncDirectEngine(EngineBase):
     ) -> None:
         """``images_ready`` (a restore whose pages files are still being written): waited for
         after everything else is prepared, just before runc starts CRIU; its failure undoes
-        the preparation like any failed step."""
+        the preparation like any failed step.
+
+        Through gpusnap-runtime a restore does not wait for its root filesystem (the overlay's
+        writable layer unpacked and mounted) and its pages files before starting the runtime:
+        those go on on threads of their own while the runtime starts, loads the GPU driver and
+        plans the spec, and the runtime waits for them just before runc (through the pipe named
+        by ``GPUSNAP_RESTORE_GATE_FD``: gpusnap.checkpoint.runtime_steps.gate_step)."""
         bundle = self.container_dir(rec.name) / "bundle"
         pipes: dict[str, int] = {}
+        gated = restore_from is not None and self.runtime_name() == "gpusnap-runtime"
+        beside_steps: list[Step] = []  # filled by _prepare_bundle below
+        beside_times: dict[str, float] = {}
 
         def spawn_logcopy() -> None:
             r, w = os.pipe()
@@ -518,7 +535,10 @@ class RuncDirectEngine(EngineBase):
                 args.append(rec.name)
                 what = "restore"
             try:
-                proc = self._runtime(*args, stdin=pipes["in_r"], stdout=pipes["out_w"], stderr=pipes["out_w"], capture_output=False)
+                if gated:
+                    proc = self._gated_runtime(args, pipes, beside, images_ready, beside_times)
+                else:
+                    proc = self._runtime(*args, stdin=pipes["in_r"], stdout=pipes["out_w"], stderr=pipes["out_w"], capture_output=False)
             finally:
                 stop_fds = [pipes.pop(k) for k in ("out_w", "in_r") if k in pipes]
                 for fd in stop_fds:
@@ -537,10 +557,13 @@ class RuncDirectEngine(EngineBase):
             self._save(rec)
 
         steps = [
-            *self._prepare_bundle(rec, spec, _upper_archive(restore_from), skip_lock),
+            *self._prepare_bundle(rec, spec, _upper_archive(restore_from), skip_lock, beside_steps if gated else None),
             Step("start the log copier", spawn_logcopy, stop_logcopy),
         ]
-        if restore_from is not None and images_ready is not None:
+        beside = Beside(beside_steps, name="gpusnap-rootfs")
+        if gated:
+            steps.append(Step(BESIDE_STEP, beside.start, beside.undo))
+        elif restore_from is not None and images_ready is not None:
             steps.append(Step(WAIT_IMAGES, images_ready))
         steps.append(Step("restore the container" if restore_from else "start the container", start, undo_start))
         if restore_from is not None and rec.network != "none":
@@ -550,8 +573,66 @@ class RuncDirectEngine(EngineBase):
         records = run_steps(steps)
         if timings is not None:
             timings.update({r.name: round(r.seconds, 3) for r in records})
+            timings.update({f"{BESIDE_PREFIX}{r.name}": round(r.seconds, 3) for r in beside.records})
+            timings.update({f"{BESIDE_PREFIX}{k}": v for k, v in beside_times.items()})
             if restore_from is not None:
                 timings.update(runtime_restore_timings(restore_from))
+
+    def _gated_runtime(self, args: list[str], pipes: dict[str, int], beside: Beside, images_ready: Callable[[], object] | None,
+                       times: dict[str, float]) -> subprocess.CompletedProcess[str]:
+        """Run the runtime's restore now and let it go on to runc once the root filesystem
+        (``beside``) and the images are ready: "ok" on the gate pipe, or "stop" when either
+        failed (the runtime then undoes its own steps and exits non-zero, and that failure is
+        raised here instead of the runtime's). The runtime's own time limit counts from the
+        gate's opening, as if it had been started then."""
+        base, _ = runtime_command(self.settings)
+        gate_r, gate_w = os.pipe()
+        try:
+            proc = subprocess.Popen([*base, "--root", str(self.runc_root), *args], stdin=pipes["in_r"], stdout=pipes["out_w"],
+                                    stderr=pipes["out_w"], pass_fds=(gate_r,), env={**os.environ, GATE_ENV: str(gate_r)}, text=True)
+        except BaseException:
+            _close_quietly(gate_w)
+            raise
+        finally:
+            _close_quietly(gate_r)
+        failed: list[BaseException] = []
+
+        def open_gate() -> None:
+            word = b"ok\n"
+            try:
+                beside.result()
+                if images_ready is not None:
+                    started = time.perf_counter()
+                    images_ready()
+                    times[WAIT_IMAGES] = round(time.perf_counter() - started, 3)
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller instead of the runtime's
+                failed.append(exc)
+                word = b"stop\n"
+            try:
+                os.write(gate_w, word)
+            except OSError:
+                pass  # the runtime is gone already: its own failure is reported
+            finally:
+                _close_quietly(gate_w)
+
+        opener = threading.Thread(target=open_gate, name="gpusnap-restore-gate", daemon=True)
+        opener.start()
+        deadline: float | None = None
+        while True:
+            try:
+                rc = proc.wait(timeout=0.05 if deadline is None else max(0.05, deadline - time.monotonic()))
+                break
+            except subprocess.TimeoutExpired:
+                if deadline is None and not opener.is_alive():
+                    deadline = time.monotonic() + RUNTIME_TIMEOUT_S
+                elif deadline is not None and time.monotonic() >= deadline:
+                    proc.kill()
+                    proc.wait()
+                    raise RestoreError(f"the runtime's restore did not end within {RUNTIME_TIMEOUT_S} s of its images being ready; "
+                                       "see the runtime log and try again") from None
+        if failed:
+            raise failed[0]
+        return subprocess.CompletedProcess(proc.args, rc)
 
     def checkpoint(self, container: ContainerInfo, dest: Path, opts: CheckpointOptions) -> EngineCheckpoint:
         rec = self._load(container.name)

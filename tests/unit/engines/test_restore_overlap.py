@@ -186,6 +186,7 @@ def test_image_job_raises_the_writers_error_where_it_is_waited_for() -> None:
 def test_runc_direct_waits_for_the_images_after_preparing_and_undoes_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     eng = RuncDirectEngine(_settings(tmp_path))
     log: list[str] = []
+    monkeypatch.setattr(eng, "runtime_name", lambda: "runc")  # plain runc: no gate, the engine waits itself
     monkeypatch.setattr(eng, "_prepare_bundle", lambda *a: [Step("mount the overlay root filesystem", lambda: log.append("mount"),
                                                                    lambda: log.append("unmount"))])
     monkeypatch.setattr(eng, "_runtime", lambda *a, **kw: log.append("runc " + a[2 if a[0] == "--log" else 0]))
@@ -256,3 +257,70 @@ def test_image_job_tells_a_failure_from_a_stop() -> None:
         job.wait()
     job.stop()
     assert job.failed
+
+
+FAKE_GATED_RUNTIME = """#!/bin/bash
+# Stands for gpusnap-runtime: notes when it started, then waits at the gate as the real one does
+# just before runc (gpusnap.checkpoint.runtime_steps.gate_step).
+case " $* " in *" delete "*) echo delete >> {log}; exit 0;; esac
+date +%s.%N > {tmp}/runtime-started
+eval "read -r word <&$GPUSNAP_RESTORE_GATE_FD"
+echo "$word" > {tmp}/gate-word
+[ "$word" = ok ] || exit 7
+"""
+
+
+def _gated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, images_ready: Any) -> tuple[RuncDirectEngine, list[str], Any]:
+    from gpusnap.engines import runc_direct
+
+    eng = RuncDirectEngine(_settings(tmp_path))
+    log: list[str] = []
+    runtime = tmp_path / "fake-runtime"
+    runtime.write_text(FAKE_GATED_RUNTIME.format(log=tmp_path / "runtime.log", tmp=tmp_path))
+    runtime.chmod(0o755)
+    monkeypatch.setattr(runc_direct, "runtime_command", lambda settings: ([str(runtime)], "gpusnap-runtime"))
+
+    def mount() -> None:
+        time.sleep(0.4)  # the writable layer being unpacked
+        log.append(f"mounted {time.time()}")
+
+    def prepare(rec: Any, spec: Any, upper: Any, skip: bool, beside: list[Step] | None = None) -> list[Step]:
+        assert beside is not None, "through gpusnap-runtime the root filesystem is mounted beside the runtime"
+        beside.append(Step("mount the overlay root filesystem", mount, lambda: log.append("unmount")))
+        return []
+
+    monkeypatch.setattr(eng, "_prepare_bundle", prepare)
+    rec = RuncDirectRecord(name="c1", command=["sh"], rootfs="busybox")
+    eng.container_dir("c1").mkdir(parents=True)
+    timings: dict[str, float] = {}
+
+    def start() -> None:
+        eng._start(rec, restore_from=tmp_path / "images", skip_lock=True, images_ready=images_ready, timings=timings)
+
+    return eng, log, (start, timings)
+
+
+def test_through_the_runtime_the_root_filesystem_and_images_are_readied_beside_its_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    waited: list[float] = []
+    eng, log, (start, timings) = _gated(tmp_path, monkeypatch, lambda: waited.append(time.time()))
+    start()
+    started = float((tmp_path / "runtime-started").read_text())
+    mounted = float(log[0].split()[1])
+    assert started < mounted  # the runtime was on its way before the root filesystem was there
+    assert (tmp_path / "gate-word").read_text().strip() == "ok" and waited and waited[0] >= mounted
+    assert {"beside the runtime: mount the overlay root filesystem", "beside the runtime: wait for the checkpoint images",
+            "prepare the root filesystem and images beside the runtime", "restore the container"} <= set(timings)
+    assert timings["beside the runtime: mount the overlay root filesystem"] >= 0.35
+    assert "unmount" not in log
+
+
+def test_images_failing_beside_the_runtime_stop_it_and_undo_the_mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def images_ready() -> None:
+        raise IntegrityError("blob sha256:ab from the registry does not match its digest")
+
+    eng, log, (start, _) = _gated(tmp_path, monkeypatch, images_ready)
+    with pytest.raises(StepFailed) as err:
+        start()
+    assert err.value.step == "restore the container" and isinstance(err.value.cause, IntegrityError)  # the writer's error, not the runtime's
+    assert (tmp_path / "gate-word").read_text().strip() == "stop"
+    assert log[-1] == "unmount"  # the runtime undid its own steps; the mount beside it is undone here
