@@ -38,9 +38,13 @@ def test_restore_images_in_memory_then_gone(gs: Gs, registry: str, source: str) 
         stage = "materialize" if source == "store" else "pull into the image directory"
         # The pages files are written on a thread of their own while the engine prepares the
         # container (orchestrate.restore): its lap is the first stage, its whole time is beside
-        # the laps, and the engine's wait for the rest is a step of its own.
+        # the laps. Through gpusnap-runtime the engine mounts the root filesystem and waits for
+        # the rest beside the runtime's start, and the runtime waits for both before runc; the
+        # runtime's own account of its steps comes back as "restore: runtime: ...".
         assert {f"{stage} (all but the pages files)", f"background: {stage}", "restore", "check the host",
-                "restore: wait for the checkpoint images", "restore: restore the container"} <= set(timings), timings
+                "restore: beside the runtime: wait for the checkpoint images",
+                "restore: restore the container", "restore: runtime: wait for the root filesystem and images",
+                "restore: runtime: runc restore", "restore: runtime: start-up and imports", "restore: runtime: total"} <= set(timings), timings
         assert list(mem.iterdir()) == [], "the in-memory image directory is removed after the restore"
         assert str(mem) + "/" not in Path("/proc/self/mountinfo").read_text(), "its tmpfs is unmounted"
         after = wait_numbers(lambda: gs("logs", name + "-r").stdout, 2)
