@@ -165,3 +165,49 @@ def test_criu_env_annotation_with_other_names_is_refused(shim: Shim, data_dir: P
         assert run([RUNC, "--root", str(bundle.root), "state", cid], check=False).returncode != 0
     finally:
         run([RUNC, "--root", str(bundle.root), "delete", "--force", cid], check=False)
+
+
+def test_restore_waits_at_the_gate_and_a_caller_gone_leaves_nothing(shim: Shim, data_dir: Path, tmp_path: Path) -> None:
+    """GPUSNAP_RESTORE_GATE_FD (gpusnap's runc-direct engine starts the runtime's restore before
+    the root filesystem and images are complete): the runtime waits on that pipe just before
+    runc. The pipe closed with no "ok" (the engine killed) stops the restore: no container, no
+    marker, config.json as it was; "ok" restores and the container counts on."""
+    bundle = make_bundle(tmp_path, ["sh", "-c", COUNTER], data_dir)
+    cid = unique("gate")
+    rt = [str(shim.wrapper), "--root", str(bundle.root)]
+    env = shim.env()
+    pipes = [Pipes()]
+    try:
+        subprocess.run([*rt, "run", "-d", "--bundle", str(bundle.path), cid], check=True, env=env, **pipes[-1].kwargs())
+        wait_counting(data_dir, above=2)
+        images = tmp_path / "images"
+        run([*rt, "checkpoint", "--image-path", str(images), cid], env=env)
+        at_checkpoint = counter_values(data_dir)[-1]
+        spec_before = (bundle.path / "config.json").read_text()
+        marker = shim.run_dir / "restoring" / cid
+        for word in (None, b"ok\n"):
+            gate_r, gate_w = os.pipe()
+            pipes.append(Pipes())
+            proc = subprocess.Popen([*rt, "restore", "-d", "--bundle", str(bundle.path), "--image-path", str(images), cid],
+                                    env={**env, "GPUSNAP_RESTORE_GATE_FD": str(gate_r)}, pass_fds=(gate_r,), **pipes[-1].kwargs())
+            os.close(gate_r)
+            wait_for(lambda: marker.exists(), "the runtime to reach the gate (its restore marker)")
+            assert proc.poll() is None  # waiting: runc has not run
+            assert run([RUNC, "--root", str(bundle.root), "state", cid], check=False).returncode != 0
+            if word is not None:
+                os.write(gate_w, word)
+            os.close(gate_w)
+            rc = proc.wait(timeout=120)
+            if word is None:
+                assert rc == 7 and not marker.exists()  # exit 7: restore failed, nothing half-restored
+                assert run([RUNC, "--root", str(bundle.root), "state", cid], check=False).returncode != 0
+                assert (bundle.path / "config.json").read_text() == spec_before
+            else:
+                assert rc == 0 and json.loads(run([RUNC, "--root", str(bundle.root), "state", cid]).stdout)["status"] == "running"
+                assert_resumed(data_dir, at_checkpoint)
+                steps = json.loads((images / "gpusnap-restore.json").read_text())["steps_s"]
+                assert "wait for the root filesystem and images" in steps and "runc restore" in steps
+    finally:
+        run([RUNC, "--root", str(bundle.root), "delete", "--force", cid], check=False)
+        for p in pipes:
+            p.close()
