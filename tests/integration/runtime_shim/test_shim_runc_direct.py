@@ -17,6 +17,14 @@ pytestmark = [
 ]
 
 
+def _run_then_checkpoint(rt: list[str], bundle: Path, cid: str, env: dict[str, str], pipes: Pipes, data_dir: Path, images: Path) -> int:
+    """Start the counter detached, let it count, checkpoint it into ``images``; its last value."""
+    subprocess.run([*rt, "run", "-d", "--bundle", str(bundle), cid], check=True, env=env, **pipes.kwargs())
+    wait_counting(data_dir, above=2)
+    run([*rt, "checkpoint", "--image-path", str(images), cid], env=env)
+    return counter_values(data_dir)[-1]
+
+
 def test_checkpoint_restore_detached_then_foreground(shim: Shim, data_dir: Path, tmp_path: Path) -> None:
     bundle = make_bundle(tmp_path, ["sh", "-c", COUNTER], data_dir)
     cid = unique("runc")
@@ -129,11 +137,8 @@ def test_criu_env_annotation_reaches_criu_at_checkpoint_and_restore(shim: Shim, 
     env = {**shim.env(), "GPUSNAP_CRIU": str(wrapper)}
     pipes = [Pipes()]
     try:
-        subprocess.run([*rt, "run", "-d", "--bundle", str(bundle.path), cid], check=True, env=env, **pipes[-1].kwargs())
-        wait_counting(data_dir, above=2)
         images = tmp_path / "images"
-        run([*rt, "checkpoint", "--image-path", str(images), cid], env=env)
-        at_checkpoint = counter_values(data_dir)[-1]
+        at_checkpoint = _run_then_checkpoint(rt, bundle.path, cid, env, pipes[-1], data_dir, images)
         dumps = {p.read_text() for p in seen.iterdir()}
         assert dumps == {"KFD_FW_VER_CHECK=0\nKFD_NUMA_CHECK=0\n"}
         for p in seen.iterdir():
@@ -178,11 +183,8 @@ def test_restore_waits_at_the_gate_and_a_caller_gone_leaves_nothing(shim: Shim, 
     env = shim.env()
     pipes = [Pipes()]
     try:
-        subprocess.run([*rt, "run", "-d", "--bundle", str(bundle.path), cid], check=True, env=env, **pipes[-1].kwargs())
-        wait_counting(data_dir, above=2)
         images = tmp_path / "images"
-        run([*rt, "checkpoint", "--image-path", str(images), cid], env=env)
-        at_checkpoint = counter_values(data_dir)[-1]
+        at_checkpoint = _run_then_checkpoint(rt, bundle.path, cid, env, pipes[-1], data_dir, images)
         spec_before = (bundle.path / "config.json").read_text()
         marker = shim.run_dir / "restoring" / cid
         for word in (None, b"ok\n"):
