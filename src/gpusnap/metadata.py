@@ -25,6 +25,13 @@ RESTORE_TIMINGS_FILE = "gpusnap-restore.json"
 GATE_ENV = "GPUSNAP_RESTORE_GATE_FD"
 
 
+def hook_notes_path(run_dir: Path, container_id: str) -> Path:
+    """Where gpusnap-hook, run by runc during a restore of ``container_id``, notes how long it
+    ran (one JSON line per hook) for the runtime to report. A folder of its own beside the
+    restore markers (``<run_dir>/restoring/<id>``): no container name can stand for it there."""
+    return run_dir / "restore-hooks" / container_id
+
+
 def merge_restore_timings(image_dir: Path, extra: dict[str, Any]) -> None:
     """Add ``extra``'s keys to ``image_dir``'s restore timings file (made when missing).
 

@@ -32,7 +32,7 @@ from gpusnap.errors import ExitCode, GpusnapError, RestoreError, UsageError
 from gpusnap.gpu.base import ContainerRef, GpuPlan
 from gpusnap.gpu.devnodes import retarget_step
 from gpusnap.gpu.plan import make_gpu_plan
-from gpusnap.metadata import GATE_ENV, CheckpointMetadata, merge_restore_timings
+from gpusnap.metadata import GATE_ENV, RESTORE_TIMINGS_FILE, CheckpointMetadata, hook_notes_path, merge_restore_timings
 from gpusnap.runc.invoke import run_runc, runc_version
 from gpusnap.runc.argv import Invocation, with_global_flag
 from gpusnap.steps import Step, StepFailed, StepRecord, process_age_s, run_steps, signals_as_exceptions
@@ -229,6 +229,10 @@ def restore(
     plan = make_gpu_plan(settings) if plan is None else plan
     image_dir = call.image_dir()
     try:
+        (image_dir / RESTORE_TIMINGS_FILE).unlink(missing_ok=True)  # an earlier restore's: this one writes its own
+    except OSError:
+        pass  # a read-only image directory keeps it; nothing is written there either
+    try:
         meta = CheckpointMetadata.read(image_dir)
     except (ValueError, TypeError) as exc:
         raise RestoreError(f"{image_dir}/gpusnap.json is unreadable ({exc}); re-create the checkpoint") from None
@@ -317,8 +321,8 @@ def gate_step(fd_text: str) -> Step:
 
 
 def hook_timings_path(marker: Path) -> Path:
-    """Where gpusnap-hook, run by runc during this restore, notes how long it ran."""
-    return marker.with_name(marker.name + ".hooks")
+    """Where gpusnap-hook, run by runc during the restore of ``marker``, notes how long it ran."""
+    return hook_notes_path(marker.parent.parent, marker.name)
 
 
 def _read_hook_timings(path: Path) -> dict[str, float]:

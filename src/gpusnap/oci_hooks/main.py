@@ -211,17 +211,19 @@ def run_stage(stage: str, state: State, settings: Settings) -> str:
 def note_restore_time(settings: Settings, container_id: str, stage: str) -> None:
     """During a restore, add how long this hook ran (its interpreter's start included) to the
     shim's record of the restore: runc runs some hooks while CRIU waits for them."""
-    marker = settings.run_dir / "restoring" / container_id
-    if not marker.exists():
+    if not is_restoring(settings, container_id):
         return
+    from gpusnap.metadata import hook_notes_path
     from gpusnap.steps import process_age_s
 
     age = process_age_s()
     if age is None:
         return
+    notes = hook_notes_path(settings.run_dir, container_id)
     try:
+        notes.parent.mkdir(parents=True, exist_ok=True)
         # One short append per hook; O_APPEND keeps two hooks' lines whole.
-        with open(marker.with_name(marker.name + ".hooks"), "a") as fh:
+        with open(notes, "a") as fh:
             fh.write(json.dumps({"stage": stage, "seconds": round(age, 4)}) + "\n")
     except OSError:
         pass  # timings only: never fail the hook for them

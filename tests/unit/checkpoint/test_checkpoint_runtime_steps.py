@@ -25,7 +25,7 @@ case " $* " in
   *" --version "*) echo "runc version 9.9.9";;
   *" state "*) [ -e {tmp}/gone ] && exit 1; echo '{{"id":"c1","status":"'"$(cat {tmp}/status 2>/dev/null || echo running)"'","pid":4242,"bundle":"{tmp}","annotations":'"$(cat {tmp}/annotations.json 2>/dev/null || echo '{{}}')"'}}';;
   *" checkpoint "*) env | grep '^KFD_' | sort > {tmp}/criu-env.checkpoint; [ -n "$FAKE_RC" ] && {{ echo "runc: checkpoint failed" >&2; exit $FAKE_RC; }}; touch {tmp}/gone;;
-  *" restore "*) env | grep '^KFD_' | sort > {tmp}/criu-env.restore; [ -e {run}/restoring/c1 ] && {{ echo marker-present >> {log}; echo '{{"stage": "prestart", "seconds": 0.05}}' >> {run}/restoring/c1.hooks; }}; [ -n "$FAKE_RC" ] && exit $FAKE_RC; rm -f {tmp}/gone;;
+  *" restore "*) env | grep '^KFD_' | sort > {tmp}/criu-env.restore; [ -e {run}/restoring/c1 ] && {{ echo marker-present >> {log}; mkdir -p {run}/restore-hooks; echo '{{"stage": "prestart", "seconds": 0.05}}' >> {run}/restore-hooks/c1; }}; [ -n "$FAKE_RC" ] && exit $FAKE_RC; rm -f {tmp}/gone;;
   *" delete "*) touch {tmp}/gone;;
   *" pause "*) echo paused > {tmp}/status; echo "EVENT pause" >> {tmp}/events;;
   *" resume "*) echo running > {tmp}/status; echo "EVENT resume" >> {tmp}/events;;
@@ -135,18 +135,19 @@ def test_restore_records_its_steps_hooks_and_start_up_in_the_image_dir(rig, tmp_
     settings, call, log, _ = rig
     (tmp_path / "img").mkdir()
     CheckpointMetadata(container_id="c1", created="now").write(tmp_path / "img")
-    (settings.run_dir / "restoring").mkdir(parents=True)
-    (settings.run_dir / "restoring" / "c1.hooks").write_text('{"stage": "prestart", "seconds": 9}\n')  # a killed restore's
+    (settings.run_dir / "restore-hooks").mkdir(parents=True)
+    (settings.run_dir / "restore-hooks" / "c1").write_text('{"stage": "prestart", "seconds": 9}\n')  # a killed restore's
+    (tmp_path / "img" / "gpusnap-restore.json").write_text('{"hooks_s": {"stale": 1}, "timings_s": {"gpu_restore": 9}}')  # an earlier restore's
     events: list[str] = []
     (tmp_path / "gone").touch()
     call_ = call(["restore", "-d", "--image-path", "img", "c1"])
     assert restore(call_, settings, [Step("spec", lambda: None)], RecordingPlan(events), planned_s=0.25) == 0
     timings = json.loads((tmp_path / "img" / "gpusnap-restore.json").read_text())
     assert set(timings["steps_s"]) >= {"spec", "restore marker", "runc restore", "gpu restore", "gpu host check meta=True"}
-    assert timings["hooks_s"] == {"prestart": 0.05}  # this restore's hook only
+    assert timings["hooks_s"] == {"prestart": 0.05} and "timings_s" not in timings  # this restore's only
     assert timings["before_steps_s"]["plan the spec"] == 0.25 and timings["before_steps_s"]["start-up and imports"] >= -0.25
     assert timings["total_s"] >= timings["steps_s"]["runc restore"]
-    assert not (settings.run_dir / "restoring" / "c1.hooks").exists()
+    assert not (settings.run_dir / "restore-hooks" / "c1").exists()
 
 
 def test_failed_after_restore_deletes_container_and_undoes(rig, tmp_path: Path) -> None:

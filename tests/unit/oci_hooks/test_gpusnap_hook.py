@@ -125,7 +125,7 @@ def test_during_restore_skips_mount_tree_work_and_counts_restores(tmp_path: Path
 
 def test_hooks_run_during_a_restore_note_their_time_for_the_shim(tmp_path: Path, settings: Settings) -> None:
     doc = json.dumps(state(tmp_path))
-    notes = settings.run_dir / "restoring" / "gs-dev-h1.hooks"
+    notes = settings.run_dir / "restore-hooks" / "gs-dev-h1"
     assert run_hook("createRuntime", doc, settings).returncode == 0
     assert not notes.exists()  # not a restore: nothing noted
     (settings.run_dir / "restoring").mkdir(parents=True)
