@@ -43,8 +43,11 @@ nvidia-smi -L >/dev/null 2>&1 || { echo "run_gpu_suite: nvidia-smi finds no GPU 
 # gpusnap and the few packages the machine lacks, with no dependency resolution and no index,
 # into python3's own environment: runc runs gpusnap-hook with the spec's environment only, so
 # gpusnap must import without PYTHONPATH. Where that environment is read-only: a --target dir.
-if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "$WHEELS"/*.whl; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 5
+# Byte-compiled at install, as pip does by default: without it every gpusnap, gpusnap-runtime and
+# gpusnap-hook process would compile its modules from source where bytecode is not written
+# (PYTHONDONTWRITEBYTECODE), which the benchmark would then count.
+if ! python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade "$WHEELS"/*.whl; then
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 5
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 # docker-registry (bench/e2e.py) travels xz-compressed; Python's lzma unpacks it (no xz needed).
