@@ -37,14 +37,11 @@ def merge_restore_timings(image_dir: Path, extra: dict[str, Any]) -> None:
 
     Best effort: a read-only image directory (an engine's export) must not fail a restore that
     worked only because its timings could not be written."""
-    path = image_dir / RESTORE_TIMINGS_FILE
+    current = read_restore_timings(image_dir)
+    current.update(extra)
     try:
-        current = json.loads(path.read_text()) if path.is_file() else {}
-        if not isinstance(current, dict):
-            current = {}
-        current.update(extra)
-        path.write_text(json.dumps(current, indent=2))
-    except (OSError, ValueError):
+        (image_dir / RESTORE_TIMINGS_FILE).write_text(json.dumps(current, indent=2))
+    except OSError:
         pass
 
 

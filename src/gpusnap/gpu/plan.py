@@ -26,10 +26,8 @@ from gpusnap.gpu.compat import check_host
 from gpusnap.gpu.procs import container_pids, host_pid_by_ns_pid
 from gpusnap.gpu.selection import assigned_gpus
 from gpusnap.gpu.unsupported import uses_nvidia_devices
-from gpusnap.metadata import RESTORE_TIMINGS_FILE, CheckpointMetadata, GpuProcess, merge_restore_timings
+from gpusnap.metadata import CheckpointMetadata, GpuProcess, merge_restore_timings
 from gpusnap.steps import Step
-
-__all__ = ["RESTORE_TIMINGS_FILE", "CudaPlan", "NoDriverPlan", "make_backend", "make_gpu_plan"]
 
 
 @dataclass
