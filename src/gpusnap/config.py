@@ -71,6 +71,10 @@ class Settings:
     # Whether a checkpoint whose engine dumps into gpusnap's own directory (runc-direct) is
     # stored, and pushed, while CRIU writes it (gpusnap.packaging.follow); false: after the dump.
     store_while_dumping: bool = True
+    # Whether a runc-direct restore through gpusnap-runtime starts runc and CRIU before its
+    # memory pages are whole, CRIU held before it reads them (gpusnap.checkpoint.pages_hold);
+    # false: runc starts once they are.
+    criu_before_pages: bool = True
     # Transfer processes of a restore from a registry (gpusnap.packaging.fetch_worker): None =
     # chosen from the pull's size and the cores; 0 = all in the gpusnap process.
     fetch_processes: int | None = None
@@ -90,6 +94,7 @@ _ENV = {
     "GPUSNAP_SUBNET": "network_subnet",
     "GPUSNAP_NET_PREFIX": "network_prefix",
     "GPUSNAP_STORE_WHILE_DUMPING": "store_while_dumping",
+    "GPUSNAP_CRIU_BEFORE_PAGES": "criu_before_pages",
     "GPUSNAP_FETCH_PROCESSES": "fetch_processes",
 }
 
@@ -97,7 +102,7 @@ _FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"ro
 
 
 def _coerce(name: str, value: object, source: str) -> object:
-    if name in ("gpu_request_env", "store_while_dumping"):
+    if name in ("gpu_request_env", "store_while_dumping", "criu_before_pages"):
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()

@@ -20,9 +20,13 @@ RESTORE_TIMINGS_FILE = "gpusnap-restore.json"
 # images are complete (gpusnap's runc-direct engine): a pipe's read end, on which the caller
 # writes "ok" once they are, or anything else (or closes it) to stop the restore. The runtime
 # does all it can before (start-up, imports, the spec, the GPU driver and host check) and waits
-# just before runc (gpusnap.checkpoint.runtime_steps.gate_step): that work goes on beside the
+# just before runc (gpusnap.checkpoint.runtime_steps.gate_steps): that work goes on beside the
 # caller's instead of after it.
 GATE_ENV = "GPUSNAP_RESTORE_GATE_FD"
+# The words on that pipe, one a line: "ok" (all ready), or "rootfs" (all but the memory pages:
+# runc may start, CRIU is held before the pages) then "pages"; "stop" at any point
+# (gpusnap.checkpoint.pages_hold).
+GATE_ALL, GATE_ROOTFS, GATE_PAGES, GATE_STOP = b"ok", b"rootfs", b"pages", b"stop"
 
 
 def hook_notes_path(run_dir: Path, container_id: str) -> Path:

@@ -267,14 +267,14 @@ def restore(
     runner = _Foreground(call, args, env) if not detached else None
     # Held until the container runs, not for a foreground container's whole life.
     with operation_lock(settings, call.container_id, error=RestoreError):
-        records, hooks = _restore_locked(call, settings, spec_steps, plan, image_dir, meta, ref, args, env, marker, runner, read_spec, restored_spec,
-                                         gate)
-    record_restore_timings(image_dir, records, hooks, age_at_entry, planned_s)
+        records, hooks, held = _restore_locked(call, settings, spec_steps, plan, image_dir, meta, ref, args, env, marker, runner, read_spec,
+                                               restored_spec, gate, criu)
+    record_restore_timings(image_dir, records, hooks, age_at_entry, planned_s, held)
     return 0 if runner is None else runner.wait()
 
 
 def record_restore_timings(image_dir: Path, records: list[StepRecord], hooks: dict[str, float], age_at_entry: float | None,
-                           planned_s: float | None) -> None:
+                           planned_s: float | None, pages_hold: dict[str, float] | None = None) -> None:
     """The runtime's side of a restore, beside the GPU plan's timings in the image directory:
     each step, the hooks runc ran meanwhile, and what came before the steps (the interpreter's
     start and imports, planning the spec), so that the caller can tell where the time went."""
@@ -282,6 +282,8 @@ def record_restore_timings(image_dir: Path, records: list[StepRecord], hooks: di
     for r in records:
         steps[r.name] = round(steps.get(r.name, 0.0) + r.seconds, 4)
     extra: dict[str, Any] = {"steps_s": steps, "hooks_s": hooks}
+    if pages_hold:
+        extra["pages_hold_s"] = dict(pages_hold)
     if age_at_entry is not None:
         extra["before_steps_s"] = {"start-up and imports": round(age_at_entry - (planned_s or 0.0), 4),
                                    **({"plan the spec": round(planned_s, 4)} if planned_s is not None else {})}
@@ -292,32 +294,44 @@ def record_restore_timings(image_dir: Path, records: list[StepRecord], hooks: di
 
 
 GATE_STEP = "wait for the root filesystem and images"
+HOLD_STEP = "hold CRIU before the memory pages"
+RELEASE_STEP = "take the hold out of CRIU's config"
 
 
-def gate_step(fd_text: str) -> Step:
-    def wait() -> None:
-        try:
-            fd = int(fd_text)
-        except ValueError:
-            raise RestoreError(f"{GATE_ENV}={fd_text[:40]!r} is not a file descriptor; unset it (only gpusnap itself sets it)") from None
-        data = b""
-        try:
-            while not data.endswith(b"\n") and len(data) < 4096:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    break
-                data += chunk
-        except OSError as exc:
-            raise RestoreError(f"cannot read the restore's go-ahead from fd {fd} ({exc.strerror}); unset {GATE_ENV}") from None
-        finally:
-            try:
-                os.close(fd)  # runc, CRIU and the container must not inherit it
-            except OSError:
-                pass
-        if data.strip() != b"ok":
-            raise RestoreError("the caller stopped the restore before runc ran: its root filesystem or images could not be made ready")
+def gate_steps(fd_text: str, settings: Settings, criu: CriuInfo, container_id: str, annotations: Mapping[str, str],
+               timings: dict[str, float]) -> tuple[list[Step], list[Step]]:
+    """The steps before and after ``runc restore`` for a gated restore (gpusnap.checkpoint.pages_hold).
 
-    return Step(GATE_STEP, wait)
+    Before: wait for the first word; when the pages are still coming, hold CRIU before it reads
+    them (or, where it cannot be held, wait for them here). After: take the hold away again."""
+    from gpusnap.checkpoint.pages_hold import Gate, PagesHold, criu_can_hold, hold_dir
+    from gpusnap.criu.config import CRIU_CONFIG_ANNOTATION, MANAGED_ANNOTATION, criu_config_path
+
+    gate = Gate(fd_text, GATE_ENV)
+    holds: list[PagesHold] = []
+
+    def hold() -> None:
+        if not gate.pages_pending:
+            return
+        config = criu_config_path(settings.run_dir, container_id)
+        ours = annotations.get(MANAGED_ANNOTATION) == "true" and annotations.get(CRIU_CONFIG_ANNOTATION) == str(config)
+        if ours and config.is_file() and criu_can_hold(criu.version):
+            holds.append(PagesHold(gate, config, hold_dir(settings.run_dir), container_id, timings=timings))
+            holds[0].install()
+            return
+        started = time.perf_counter()
+        whole = gate.wait_pages()
+        timings["pages whole, waited for before runc"] = round(time.perf_counter() - started, 4)
+        if not whole:
+            raise RestoreError("the caller stopped the restore before runc ran: the checkpoint's memory pages could not be made ready")
+
+    def release() -> None:
+        for h in holds:
+            h.release()
+
+    # No undo for the gate: a hold's relay may still be reading it; the process's exit closes it.
+    before = [Step(GATE_STEP, gate.wait_first), Step(HOLD_STEP, hold, release)]
+    return before, [Step(RELEASE_STEP, release)]
 
 
 def hook_timings_path(marker: Path) -> Path:
@@ -343,7 +357,7 @@ def _read_hook_timings(path: Path) -> dict[str, float]:
 def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan, image_dir: Path, meta: CheckpointMetadata | None,
                     ref: ContainerRef, args: list[str], env: dict[str, str], marker: Path, runner: "_Foreground | None",
                     read_spec: Callable[[], None], restored_spec: dict[str, Any], gate: str | None = None,
-                    ) -> tuple[list[StepRecord], dict[str, float]]:
+                    criu: CriuInfo | None = None) -> tuple[list[StepRecord], dict[str, float], dict[str, float]]:
 
     def do_restore() -> None:
         if runner is None:
@@ -362,23 +376,48 @@ def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], 
         if runner is not None:
             runner.wait()
 
+    held: dict[str, float] = {}
+    gated_before: list[Step] = []
+    gated_after: list[Step] = []
+    if gate is not None:
+        # The spec (and so the container's CRIU config annotation) is known only once the
+        # steps above ran: read when the hold step runs, not now.
+        annotations = _LiveAnnotations(ref)
+        gated_before, gated_after = gate_steps(gate, settings, criu or find_criu(settings), call.container_id, annotations, held)
     steps = [
         *spec_steps,
         Step("read the restored spec", read_spec),
         marker_step(marker),
         *plan.before_restore(image_dir, meta, ref),
         retarget_step(image_dir, restored_spec),
-        *([gate_step(gate)] if gate is not None else []),
+        *gated_before,
         Step("runc restore", do_restore, undo_restore),
+        *gated_after,
         *plan.after_restore(ref, image_dir, meta),
     ]
     hooks_path = hook_timings_path(marker)
     try:
         records = run_steps(steps)
-        return records, _read_hook_timings(hooks_path)
+        return records, _read_hook_timings(hooks_path), held
     finally:
         marker.unlink(missing_ok=True)
         hooks_path.unlink(missing_ok=True)
+
+
+class _LiveAnnotations(Mapping[str, str]):
+    """``ref.annotations`` as they are when read (filled by the "read the restored spec" step)."""
+
+    def __init__(self, ref: ContainerRef) -> None:
+        self.ref = ref
+
+    def __getitem__(self, key: str) -> str:
+        return self.ref.annotations[key]
+
+    def __iter__(self) -> Any:
+        return iter(self.ref.annotations)
+
+    def __len__(self) -> int:
+        return len(self.ref.annotations)
 
 
 class _Foreground:

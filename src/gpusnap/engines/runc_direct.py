@@ -51,7 +51,7 @@ from gpusnap.errors import (
     UsageError,
 )
 from gpusnap.engines.upper import pack_upper, unpack_upper_apart
-from gpusnap.metadata import GATE_ENV, read_restore_timings
+from gpusnap.metadata import GATE_ALL, GATE_ENV, GATE_PAGES, GATE_ROOTFS, GATE_STOP, read_restore_timings
 from gpusnap.steps import Beside, Step, run_steps
 
 NAME = "runc-direct"
@@ -488,7 +488,7 @@ class RuncDirectEngine(EngineBase):
         writable layer unpacked and mounted) and its pages files before starting the runtime:
         those go on on threads of their own while the runtime starts, loads the GPU driver and
         plans the spec, and the runtime waits for them just before runc (through the pipe named
-        by ``GPUSNAP_RESTORE_GATE_FD``: gpusnap.checkpoint.runtime_steps.gate_step)."""
+        by ``GPUSNAP_RESTORE_GATE_FD``: gpusnap.checkpoint.runtime_steps.gate_steps)."""
         bundle = self.container_dir(rec.name) / "bundle"
         pipes: dict[str, int] = {}
         gated = restore_from is not None and self.runtime_name() == "gpusnap-runtime"
@@ -581,10 +581,12 @@ class RuncDirectEngine(EngineBase):
     def _gated_runtime(self, args: list[str], pipes: dict[str, int], beside: Beside, images_ready: Callable[[], object] | None,
                        times: dict[str, float]) -> subprocess.CompletedProcess[str]:
         """Run the runtime's restore now and let it go on to runc once the root filesystem
-        (``beside``) and the images are ready: "ok" on the gate pipe, or "stop" when either
-        failed (the runtime then undoes its own steps and exits non-zero, and that failure is
-        raised here instead of the runtime's). The runtime's own time limit counts from the
-        gate's opening, as if it had been started then."""
+        (``beside``) and all image files but the pages are ready ("rootfs" on the gate pipe),
+        CRIU then held before it reads the pages until they are whole ("pages"); "stop" when
+        either failed (the runtime, or CRIU and then the runtime, undoes its own steps and
+        exits non-zero, and that failure is raised here instead of the runtime's). The
+        runtime's own time limit counts from the pages being whole, as if it had been started
+        then."""
         base, _ = runtime_command(self.settings)
         gate_r, gate_w = os.pipe()
         try:
@@ -597,21 +599,39 @@ class RuncDirectEngine(EngineBase):
             _close_quietly(gate_r)
         failed: list[BaseException] = []
 
+        def say(word: bytes) -> bool:
+            try:
+                os.write(gate_w, word + b"\n")
+                return True
+            except OSError:
+                return False  # the runtime is gone already: its own failure is reported
+
         def open_gate() -> None:
-            word = b"ok\n"
+            # "rootfs" lets runc and CRIU start on all but the pages, and CRIU is held just
+            # before it reads them until "pages" (gpusnap.checkpoint.pages_hold); "ok" alone
+            # when nothing is left to wait for.
             try:
                 beside.result()
-                if images_ready is not None:
-                    started = time.perf_counter()
-                    images_ready()
-                    times[WAIT_IMAGES] = round(time.perf_counter() - started, 3)
             except BaseException as exc:  # noqa: BLE001 - raised by the caller instead of the runtime's
                 failed.append(exc)
-                word = b"stop\n"
+                say(GATE_STOP)
+                _close_quietly(gate_w)
+                return
+            if images_ready is None:
+                say(GATE_ALL)
+                _close_quietly(gate_w)
+                return
+            early = self.settings.criu_before_pages
+            if early:
+                say(GATE_ROOTFS)
+            started = time.perf_counter()
             try:
-                os.write(gate_w, word)
-            except OSError:
-                pass  # the runtime is gone already: its own failure is reported
+                images_ready()
+                times[WAIT_IMAGES] = round(time.perf_counter() - started, 3)
+                say(GATE_PAGES if early else GATE_ALL)
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller instead of the runtime's
+                failed.append(exc)
+                say(GATE_STOP)
             finally:
                 _close_quietly(gate_w)
 
@@ -778,7 +798,7 @@ def runtime_restore_timings(image_dir: Path) -> dict[str, float]:
     directory; runc alone writes none), flat, each name under "runtime: "."""
     data = read_restore_timings(image_dir)
     out: dict[str, float] = {}
-    groups = (("before_steps_s", ""), ("steps_s", ""), ("hooks_s", "hook "), ("timings_s", "gpu plan: "))
+    groups = (("before_steps_s", ""), ("steps_s", ""), ("hooks_s", "hook "), ("pages_hold_s", ""), ("timings_s", "gpu plan: "))
     for key, prefix in groups:
         part = data.get(key)
         if isinstance(part, dict):

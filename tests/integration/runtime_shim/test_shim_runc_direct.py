@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,83 @@ def test_restore_waits_at_the_gate_and_a_caller_gone_leaves_nothing(shim: Shim, 
                 assert_resumed(data_dir, at_checkpoint)
                 steps = json.loads((images / "gpusnap-restore.json").read_text())["steps_s"]
                 assert "wait for the root filesystem and images" in steps and "runc restore" in steps
+    finally:
+        run([RUNC, "--root", str(bundle.root), "delete", "--force", cid], check=False)
+        for p in pipes:
+            p.close()
+
+
+def _hold_scripts_running(hold: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(hold).encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("last_word", [b"pages\n", b"stop\n", None])
+def test_criu_is_held_before_the_memory_pages_until_they_are_whole(shim: Shim, data_dir: Path, tmp_path: Path, last_word: bytes | None) -> None:
+    """"rootfs" on the gate lets runc and CRIU start while the pages files are still being
+    written; CRIU waits at setup-namespaces (gpusnap.checkpoint.pages_hold). Shown with the
+    real runc and CRIU: the pages files are not even in the image directory when CRIU starts
+    (CRIU would fail without them) and are put back only while it waits; "pages" then restores
+    the counter, "stop" fails the restore with nothing left and CRIU's config as before; the
+    runtime killed (-9) while CRIU waits fails CRIU's restore too (the script reads end of
+    file) and leaves no container and no waiting script."""
+    bundle = make_bundle(tmp_path, ["sh", "-c", COUNTER], data_dir)
+    cid = unique("hold")
+    rt = [str(shim.wrapper), "--root", str(bundle.root)]
+    env = shim.env()
+    pipes = [Pipes()]
+    try:
+        images = tmp_path / "images"
+        at_checkpoint = _run_then_checkpoint(rt, bundle.path, cid, env, pipes[-1], data_dir, images)
+        aside = tmp_path / "pages-aside"
+        aside.mkdir()
+        pages = sorted(images.glob("pages-*.img"))
+        assert pages
+        for p in pages:
+            p.rename(aside / p.name)
+        conf = shim.run_dir / "criu" / f"{cid}.conf"
+        hold = shim.run_dir / "restore-pages"
+        gate_r, gate_w = os.pipe()
+        pipes.append(Pipes())
+        proc = subprocess.Popen([*rt, "restore", "-d", "--bundle", str(bundle.path), "--image-path", str(images), cid],
+                                env={**env, "GPUSNAP_RESTORE_GATE_FD": str(gate_r)}, pass_fds=(gate_r,), **pipes[-1].kwargs())
+        os.close(gate_r)
+        try:
+            os.write(gate_w, b"rootfs\n")
+            wait_for(lambda: (hold / f"{cid}.waiting").exists() or proc.poll() is not None, "CRIU to reach the hold", timeout=120)
+            assert proc.poll() is None, "the restore ended before CRIU reached the hold"
+            assert f"action-script {hold / (cid + '.sh')}" in conf.read_text()
+            time.sleep(0.3)
+            assert proc.poll() is None  # CRIU still waits
+            for p in pages:
+                (aside / p.name).rename(p)
+            if last_word is None:
+                proc.kill()
+            else:
+                os.write(gate_w, last_word)
+        finally:
+            os.close(gate_w)
+        rc = proc.wait(timeout=120)
+        if last_word is None:
+            wait_for(lambda: not _hold_scripts_running(hold), "CRIU's hold script to end once the runtime was killed", timeout=60)
+            wait_for(lambda: run([RUNC, "--root", str(bundle.root), "state", cid], check=False).returncode != 0,
+                     "runc to remove what CRIU had restored", timeout=60)
+            return  # its CRIU config keeps the line until the next create or restore rewrites it
+        assert "action-script" not in conf.read_text() and not any(hold.iterdir())
+        if last_word == b"pages\n":
+            assert rc == 0 and json.loads(run([RUNC, "--root", str(bundle.root), "state", cid]).stdout)["status"] == "running"
+            assert_resumed(data_dir, at_checkpoint)
+            held = json.loads((images / "gpusnap-restore.json").read_text())["pages_hold_s"]
+            assert held["CRIU waited for the pages"] >= 0.3
+        else:
+            assert rc != 0 and not (shim.run_dir / "restoring" / cid).exists()
+            assert run([RUNC, "--root", str(bundle.root), "state", cid], check=False).returncode != 0
     finally:
         run([RUNC, "--root", str(bundle.root), "delete", "--force", cid], check=False)
         for p in pipes:

@@ -261,12 +261,18 @@ def test_image_job_tells_a_failure_from_a_stop() -> None:
 
 FAKE_GATED_RUNTIME = """#!/bin/bash
 # Stands for gpusnap-runtime: notes when it started, then waits at the gate as the real one does
-# just before runc (gpusnap.checkpoint.runtime_steps.gate_step).
+# just before runc (gpusnap.checkpoint.runtime_steps.gate_steps): "ok", or "rootfs" then "pages".
 case " $* " in *" delete "*) echo delete >> {log}; exit 0;; esac
 date +%s.%N > {tmp}/runtime-started
 eval "read -r word <&$GPUSNAP_RESTORE_GATE_FD"
-echo "$word" > {tmp}/gate-word
-[ "$word" = ok ] || exit 7
+words=$word
+if [ "$word" = rootfs ]; then
+    date +%s.%N > {tmp}/runc-let-go
+    eval "read -r word <&$GPUSNAP_RESTORE_GATE_FD"
+    words="$words $word"
+fi
+echo "$words" > {tmp}/gate-word
+case "$words" in ok|"rootfs pages") ;; *) exit 7;; esac
 """
 
 
@@ -307,7 +313,10 @@ def test_through_the_runtime_the_root_filesystem_and_images_are_readied_beside_i
     started = float((tmp_path / "runtime-started").read_text())
     mounted = float(log[0].split()[1])
     assert started < mounted  # the runtime was on its way before the root filesystem was there
-    assert (tmp_path / "gate-word").read_text().strip() == "ok" and waited and waited[0] >= mounted
+    # runc let go once the root filesystem was there, the pages still being written (CRIU is
+    # held before it reads them: gpusnap.checkpoint.pages_hold), then "pages" once written
+    assert (tmp_path / "gate-word").read_text().strip() == "rootfs pages" and waited and waited[0] >= mounted
+    assert mounted <= float((tmp_path / "runc-let-go").read_text())
     assert {"beside the runtime: mount the overlay root filesystem", "beside the runtime: wait for the checkpoint images",
             "prepare the root filesystem and images beside the runtime", "restore the container"} <= set(timings)
     assert timings["beside the runtime: mount the overlay root filesystem"] >= 0.35
@@ -322,5 +331,42 @@ def test_images_failing_beside_the_runtime_stop_it_and_undo_the_mount(tmp_path: 
     with pytest.raises(StepFailed) as err:
         start()
     assert err.value.step == "restore the container" and isinstance(err.value.cause, IntegrityError)  # the writer's error, not the runtime's
-    assert (tmp_path / "gate-word").read_text().strip() == "stop"
+    assert (tmp_path / "gate-word").read_text().strip() == "rootfs stop"
     assert log[-1] == "unmount"  # the runtime undid its own steps; the mount beside it is undone here
+
+
+def test_with_nothing_left_to_write_the_gate_says_ok_once_the_root_filesystem_is_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng, log, (start, _) = _gated(tmp_path, monkeypatch, None)
+    start()
+    assert (tmp_path / "gate-word").read_text().strip() == "ok"
+    assert not (tmp_path / "runc-let-go").exists()
+
+
+def test_a_root_filesystem_that_fails_stops_the_runtime_before_runc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpusnap.errors import GpusnapError
+
+    waited: list[float] = []
+    eng, log, (start, _) = _gated(tmp_path, monkeypatch, lambda: waited.append(time.time()))
+
+    def prepare(rec: Any, spec: Any, upper: Any, skip: bool, beside: list[Step] | None = None) -> list[Step]:
+        assert beside is not None
+        beside.append(Step("mount the overlay root filesystem", lambda: (_ for _ in ()).throw(GpusnapError("overlay: no space left"))))
+        return []
+
+    monkeypatch.setattr(eng, "_prepare_bundle", prepare)
+    with pytest.raises(StepFailed) as err:
+        start()
+    assert "no space left" in str(err.value.cause)
+    assert (tmp_path / "gate-word").read_text().strip() == "stop"  # runc never let go
+    assert not (tmp_path / "runc-let-go").exists() and not waited
+
+
+def test_criu_before_pages_off_starts_runc_only_once_the_pages_are_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    waited: list[float] = []
+    eng, log, (start, _) = _gated(tmp_path, monkeypatch, lambda: waited.append(time.time()))
+    eng.settings = dataclasses.replace(eng.settings, criu_before_pages=False)
+    start()
+    assert (tmp_path / "gate-word").read_text().strip() == "ok" and waited
+    assert not (tmp_path / "runc-let-go").exists()
