@@ -83,16 +83,17 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("run as root: it starts containers and CRIU")
     byte_compile()
+    env = {**os.environ, "GPUSNAP_STORE": str(args.work / "store"), "GPUSNAP_RUN_DIR": str(args.work / "run"),
+           "GPUSNAP_STATE_DIR": str(args.state_dir), "GPUSNAP_CONFIG": "/nonexistent/gpusnap.toml"}
+    if args.work.exists():
+        cli(["delete", NAME], env, check=False)  # an interrupted run's container (its overlay is mounted there)
     shutil.rmtree(args.work, ignore_errors=True)
     shutil.rmtree(args.state_dir, ignore_errors=True)
     args.work.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GPUSNAP_STORE": str(args.work / "store"), "GPUSNAP_RUN_DIR": str(args.work / "run"),
-           "GPUSNAP_STATE_DIR": str(args.state_dir), "GPUSNAP_CONFIG": "/nonexistent/gpusnap.toml"}
     holder = args.work / "cpu_holder.py"
     shutil.copy(HOLDER, holder)
     q = args.mib // 4
-    cli(["delete", NAME], env, check=False)
     cli(["run", NAME, "--rootfs-overlay", "/", "--env", "PYTHONUNBUFFERED=1", "--", sys.executable, str(holder),
          "--random-mib", str(2 * q), "--zero-mib", str(q), "--const-mib", str(q)], env)
     deadline = time.time() + 300
@@ -102,6 +103,7 @@ def main() -> int:
         time.sleep(0.5)
     ck = json.loads(cli(["checkpoint", NAME, "--json"], env).stdout)
     ref = ck["ref"]
+    cli(["delete", NAME], env)  # the checkpointed container's record; each restore makes it again
     rows: list[dict[str, Any]] = []
     order = list(MODES)
     for rnd in range(args.rounds):

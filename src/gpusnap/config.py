@@ -72,9 +72,10 @@ class Settings:
     # stored, and pushed, while CRIU writes it (gpusnap.packaging.follow); false: after the dump.
     store_while_dumping: bool = True
     # Whether a runc-direct restore through gpusnap-runtime starts runc and CRIU before its
-    # memory pages are whole, CRIU held before it reads them (gpusnap.checkpoint.pages_hold);
-    # false: runc starts once they are.
-    criu_before_pages: bool = True
+    # memory pages are whole, CRIU held before it reads them (gpusnap.checkpoint.pages_hold).
+    # Off by default: on the VM it gained nothing (bench/results/criu-hold-vm-2026-11-25: CRIU
+    # reaches the hold 0.04 s after it starts; the rest of its restore is copying the pages).
+    criu_before_pages: bool = False
     # Transfer processes of a restore from a registry (gpusnap.packaging.fetch_worker): None =
     # chosen from the pull's size and the cores; 0 = all in the gpusnap process.
     fetch_processes: int | None = None

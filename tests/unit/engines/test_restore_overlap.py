@@ -276,10 +276,13 @@ case "$words" in ok|"rootfs pages") ;; *) exit 7;; esac
 """
 
 
-def _gated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, images_ready: Any) -> tuple[RuncDirectEngine, list[str], Any]:
+def _gated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, images_ready: Any, *, criu_before_pages: bool = True,
+           ) -> tuple[RuncDirectEngine, list[str], Any]:
+    import dataclasses
+
     from gpusnap.engines import runc_direct
 
-    eng = RuncDirectEngine(_settings(tmp_path))
+    eng = RuncDirectEngine(dataclasses.replace(_settings(tmp_path), criu_before_pages=criu_before_pages))
     log: list[str] = []
     runtime = tmp_path / "fake-runtime"
     runtime.write_text(FAKE_GATED_RUNTIME.format(log=tmp_path / "runtime.log", tmp=tmp_path))
@@ -362,11 +365,9 @@ def test_a_root_filesystem_that_fails_stops_the_runtime_before_runc(tmp_path: Pa
 
 
 def test_criu_before_pages_off_starts_runc_only_once_the_pages_are_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dataclasses
-
+    assert not _settings(tmp_path).criu_before_pages  # the default
     waited: list[float] = []
-    eng, log, (start, _) = _gated(tmp_path, monkeypatch, lambda: waited.append(time.time()))
-    eng.settings = dataclasses.replace(eng.settings, criu_before_pages=False)
+    eng, log, (start, _) = _gated(tmp_path, monkeypatch, lambda: waited.append(time.time()), criu_before_pages=False)
     start()
     assert (tmp_path / "gate-word").read_text().strip() == "ok" and waited
     assert not (tmp_path / "runc-let-go").exists()
