@@ -176,6 +176,13 @@ class PagesHold:
         return self.directory / f"{self.container_id}.waiting"
 
     def install(self) -> None:
+        try:
+            self._install()
+        except BaseException:
+            self.release()  # a step that fails is not undone by run_steps: leave nothing behind
+            raise
+
+    def _install(self) -> None:
         self.release()  # a killed restore's leftovers
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)  # root's; CRIU runs the script as root

@@ -204,3 +204,12 @@ def test_where_criu_cannot_be_held_the_runtime_waits_for_the_pages_before_runc(t
     before[0].do()
     with pytest.raises(RestoreError, match="memory pages could not be made ready"):
         before[1].do()
+
+
+def test_a_hold_that_cannot_be_installed_leaves_nothing(tmp_path: Path) -> None:
+    hold, config, w = _hold(tmp_path)
+    config.unlink()  # its bundle went away: the config cannot be read
+    with pytest.raises(FileNotFoundError):
+        hold.install()
+    os.close(w)
+    assert not any(hold.directory.iterdir()) and hold._fd == -1
