@@ -298,12 +298,13 @@ HOLD_STEP = "hold CRIU before the memory pages"
 RELEASE_STEP = "take the hold out of CRIU's config"
 
 
-def gate_steps(fd_text: str, settings: Settings, criu: CriuInfo, container_id: str, annotations: Mapping[str, str],
+def gate_steps(fd_text: str, settings: Settings, criu: CriuInfo, ref: ContainerRef,
                timings: dict[str, float]) -> tuple[list[Step], list[Step]]:
     """The steps before and after ``runc restore`` for a gated restore (gpusnap.checkpoint.pages_hold).
 
     Before: wait for the first word; when the pages are still coming, hold CRIU before it reads
-    them (or, where it cannot be held, wait for them here). After: take the hold away again."""
+    them (or, where it cannot be held, wait for them here). After: take the hold away again.
+    ``ref.annotations`` are read when the hold step runs: the restored spec is read by then."""
     from gpusnap.checkpoint.pages_hold import Gate, PagesHold, criu_can_hold, hold_dir
     from gpusnap.criu.config import CRIU_CONFIG_ANNOTATION, MANAGED_ANNOTATION, criu_config_path
 
@@ -313,10 +314,11 @@ def gate_steps(fd_text: str, settings: Settings, criu: CriuInfo, container_id: s
     def hold() -> None:
         if not gate.pages_pending:
             return
-        config = criu_config_path(settings.run_dir, container_id)
+        config = criu_config_path(settings.run_dir, ref.container_id)
+        annotations = ref.annotations
         ours = annotations.get(MANAGED_ANNOTATION) == "true" and annotations.get(CRIU_CONFIG_ANNOTATION) == str(config)
         if ours and config.is_file() and criu_can_hold(criu.version):
-            holds.append(PagesHold(gate, config, hold_dir(settings.run_dir), container_id, timings=timings))
+            holds.append(PagesHold(gate, config, hold_dir(settings.run_dir), ref.container_id, timings=timings))
             holds[0].install()
             return
         started = time.perf_counter()
@@ -356,8 +358,8 @@ def _read_hook_timings(path: Path) -> dict[str, float]:
 
 def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], plan: GpuPlan, image_dir: Path, meta: CheckpointMetadata | None,
                     ref: ContainerRef, args: list[str], env: dict[str, str], marker: Path, runner: "_Foreground | None",
-                    read_spec: Callable[[], None], restored_spec: dict[str, Any], gate: str | None = None,
-                    criu: CriuInfo | None = None) -> tuple[list[StepRecord], dict[str, float], dict[str, float]]:
+                    read_spec: Callable[[], None], restored_spec: dict[str, Any], gate: str | None,
+                    criu: CriuInfo) -> tuple[list[StepRecord], dict[str, float], dict[str, float]]:
 
     def do_restore() -> None:
         if runner is None:
@@ -380,10 +382,7 @@ def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], 
     gated_before: list[Step] = []
     gated_after: list[Step] = []
     if gate is not None:
-        # The spec (and so the container's CRIU config annotation) is known only once the
-        # steps above ran: read when the hold step runs, not now.
-        annotations = _LiveAnnotations(ref)
-        gated_before, gated_after = gate_steps(gate, settings, criu or find_criu(settings), call.container_id, annotations, held)
+        gated_before, gated_after = gate_steps(gate, settings, criu, ref, held)
     steps = [
         *spec_steps,
         Step("read the restored spec", read_spec),
@@ -402,22 +401,6 @@ def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], 
     finally:
         marker.unlink(missing_ok=True)
         hooks_path.unlink(missing_ok=True)
-
-
-class _LiveAnnotations(Mapping[str, str]):
-    """``ref.annotations`` as they are when read (filled by the "read the restored spec" step)."""
-
-    def __init__(self, ref: ContainerRef) -> None:
-        self.ref = ref
-
-    def __getitem__(self, key: str) -> str:
-        return self.ref.annotations[key]
-
-    def __iter__(self) -> Any:
-        return iter(self.ref.annotations)
-
-    def __len__(self) -> int:
-        return len(self.ref.annotations)
 
 
 class _Foreground:

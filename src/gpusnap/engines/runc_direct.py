@@ -599,35 +599,25 @@ class RuncDirectEngine(EngineBase):
             _close_quietly(gate_r)
         failed: list[BaseException] = []
 
-        def say(word: bytes) -> bool:
+        def say(word: bytes) -> None:
             try:
                 os.write(gate_w, word + b"\n")
-                return True
             except OSError:
-                return False  # the runtime is gone already: its own failure is reported
+                pass  # the runtime is gone already: its own failure is reported
 
         def open_gate() -> None:
-            # "rootfs" lets runc and CRIU start on all but the pages, and CRIU is held just
-            # before it reads them until "pages" (gpusnap.checkpoint.pages_hold); "ok" alone
-            # when nothing is left to wait for.
+            # "ok" once all is ready; with criu_before_pages, "rootfs" as soon as the root
+            # filesystem is, and "pages" once the pages are whole (CRIU is held before it reads
+            # them meanwhile: gpusnap.checkpoint.pages_hold); "stop" when either failed.
+            early = images_ready is not None and self.settings.criu_before_pages
             try:
                 beside.result()
-            except BaseException as exc:  # noqa: BLE001 - raised by the caller instead of the runtime's
-                failed.append(exc)
-                say(GATE_STOP)
-                _close_quietly(gate_w)
-                return
-            if images_ready is None:
-                say(GATE_ALL)
-                _close_quietly(gate_w)
-                return
-            early = self.settings.criu_before_pages
-            if early:
-                say(GATE_ROOTFS)
-            started = time.perf_counter()
-            try:
-                images_ready()
-                times[WAIT_IMAGES] = round(time.perf_counter() - started, 3)
+                if early:
+                    say(GATE_ROOTFS)
+                if images_ready is not None:
+                    started = time.perf_counter()
+                    images_ready()
+                    times[WAIT_IMAGES] = round(time.perf_counter() - started, 3)
                 say(GATE_PAGES if early else GATE_ALL)
             except BaseException as exc:  # noqa: BLE001 - raised by the caller instead of the runtime's
                 failed.append(exc)

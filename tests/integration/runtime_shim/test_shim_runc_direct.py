@@ -26,6 +26,18 @@ def _run_then_checkpoint(rt: list[str], bundle: Path, cid: str, env: dict[str, s
     return counter_values(data_dir)[-1]
 
 
+def _gated_restore(rt: list[str], bundle: Path, images: Path, cid: str, env: dict[str, str], pipes: Pipes) -> tuple[subprocess.Popen[bytes], int]:
+    """``restore -d`` through the shim as gpusnap's runc-direct engine starts it: with the read
+    end of a gate pipe in GPUSNAP_RESTORE_GATE_FD. Returns the process and the write end."""
+    gate_r, gate_w = os.pipe()
+    try:
+        proc = subprocess.Popen([*rt, "restore", "-d", "--bundle", str(bundle), "--image-path", str(images), cid],
+                                env={**env, "GPUSNAP_RESTORE_GATE_FD": str(gate_r)}, pass_fds=(gate_r,), **pipes.kwargs())
+    finally:
+        os.close(gate_r)
+    return proc, gate_w
+
+
 def test_checkpoint_restore_detached_then_foreground(shim: Shim, data_dir: Path, tmp_path: Path) -> None:
     bundle = make_bundle(tmp_path, ["sh", "-c", COUNTER], data_dir)
     cid = unique("runc")
@@ -189,11 +201,8 @@ def test_restore_waits_at_the_gate_and_a_caller_gone_leaves_nothing(shim: Shim, 
         spec_before = (bundle.path / "config.json").read_text()
         marker = shim.run_dir / "restoring" / cid
         for word in (None, b"ok\n"):
-            gate_r, gate_w = os.pipe()
             pipes.append(Pipes())
-            proc = subprocess.Popen([*rt, "restore", "-d", "--bundle", str(bundle.path), "--image-path", str(images), cid],
-                                    env={**env, "GPUSNAP_RESTORE_GATE_FD": str(gate_r)}, pass_fds=(gate_r,), **pipes[-1].kwargs())
-            os.close(gate_r)
+            proc, gate_w = _gated_restore(rt, bundle.path, images, cid, env, pipes[-1])
             wait_for(lambda: marker.exists(), "the runtime to reach the gate (its restore marker)")
             assert proc.poll() is None  # waiting: runc has not run
             assert run([RUNC, "--root", str(bundle.root), "state", cid], check=False).returncode != 0
@@ -252,11 +261,8 @@ def test_criu_is_held_before_the_memory_pages_until_they_are_whole(shim: Shim, d
             p.rename(aside / p.name)
         conf = shim.run_dir / "criu" / f"{cid}.conf"
         hold = shim.run_dir / "restore-pages"
-        gate_r, gate_w = os.pipe()
         pipes.append(Pipes())
-        proc = subprocess.Popen([*rt, "restore", "-d", "--bundle", str(bundle.path), "--image-path", str(images), cid],
-                                env={**env, "GPUSNAP_RESTORE_GATE_FD": str(gate_r)}, pass_fds=(gate_r,), **pipes[-1].kwargs())
-        os.close(gate_r)
+        proc, gate_w = _gated_restore(rt, bundle.path, images, cid, env, pipes[-1])
         try:
             os.write(gate_w, b"rootfs\n")
             wait_for(lambda: (hold / f"{cid}.waiting").exists() or proc.poll() is not None, "CRIU to reach the hold", timeout=120)

@@ -18,6 +18,7 @@ from gpusnap.checkpoint.runtime_steps import GATE_STEP, HOLD_STEP, RELEASE_STEP,
 from gpusnap.config import HostPaths, Settings
 from gpusnap.criu.locate import CriuInfo
 from gpusnap.errors import RestoreError
+from gpusnap.gpu.base import ContainerRef
 
 CONFIG = b"# written by gpusnap-runtime\nlink-remap\n"
 
@@ -167,10 +168,12 @@ def _steps(tmp_path: Path, words: tuple[bytes, ...], *, version: tuple[int, int,
     config.parent.mkdir(parents=True)
     config.write_bytes(CONFIG)
     settings = Settings(host=HostPaths(tmp_path / "host"), run_dir=run_dir)
-    annotations = {"org.criu.config": str(config), "gpusnap.io/criu-config": "true"} if managed else {"org.criu.config": "/etc/criu/admin.conf"}
+    ref = ContainerRef(container_id="c1", init_pid=0, bundle=tmp_path / "bundle")
     gate, _ = _gate(*words)
     timings: dict[str, float] = {}
-    before, after = gate_steps(str(gate.fd), settings, CriuInfo("/usr/sbin/criu", version), "c1", annotations, timings)
+    before, after = gate_steps(str(gate.fd), settings, CriuInfo("/usr/sbin/criu", version), ref, timings)
+    # the restored spec is read after the steps are made, before they run
+    ref.annotations = {"org.criu.config": str(config), "gpusnap.io/criu-config": "true"} if managed else {"org.criu.config": "/etc/criu/admin.conf"}
     return before, after, timings, config
 
 
