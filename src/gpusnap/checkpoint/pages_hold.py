@@ -64,6 +64,11 @@ class Gate:
         self.env_name = env_name
         self._buffer = b""
         self.pages_pending = False
+        try:
+            # Passed to this process inheritable: runc, CRIU and the container must not get it.
+            os.set_inheritable(self.fd, False)
+        except OSError as exc:
+            raise RestoreError(f"cannot read the restore's go-ahead from fd {self.fd} ({exc.strerror}); unset {self.env_name}") from None
 
     def word(self) -> bytes:
         """The next line's word; b"" at end of file (the caller is gone)."""
@@ -82,9 +87,10 @@ class Gate:
         """The first word: ``ok`` (all ready) or ``rootfs`` (the pages still coming)."""
         word = self.word()
         if word == GATE_ROOTFS:
-            self.pages_pending = True
-        elif word != GATE_ALL:
-            self.close()
+            self.pages_pending = True  # the pipe stays open for the next word
+            return
+        self.close()
+        if word != GATE_ALL:
             raise RestoreError("the caller stopped the restore before runc ran: its root filesystem or images could not be made ready")
 
     def wait_pages(self) -> bool:

@@ -58,8 +58,10 @@ def _wait(predicate: object, what: str, timeout: float = 10) -> None:
 
 def test_gate_words() -> None:
     gate, _ = _gate(b"ok")
+    assert not os.get_inheritable(gate.fd)  # runc, CRIU and the container never get it
     gate.wait_first()
     assert not gate.pages_pending
+    assert gate.fd == -1  # closed once its last word is read
     gate, _ = _gate(b"rootfs", b"pages")
     gate.wait_first()
     assert gate.pages_pending and gate.wait_pages() and gate.fd == -1
@@ -75,6 +77,11 @@ def test_gate_words() -> None:
             gate.wait_first()
     with pytest.raises(RestoreError, match="is not a file descriptor; unset it"):
         Gate("seven", "GPUSNAP_RESTORE_GATE_FD")
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(RestoreError, match="cannot read the restore's go-ahead"):
+        Gate(str(r), "GPUSNAP_RESTORE_GATE_FD")
 
 
 def test_only_criu_3_19_on_runs_a_config_files_scripts_under_runc() -> None:
