@@ -803,6 +803,8 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         say(f"{w.name}: restore (registry) to first step {r['restore_registry_s']:.2f} s (command {c4.seconds:.2f} s) "
             f"{r['restore_registry_timings_s']}; step {nxt[0]}; {same} steps equal to other runs', {differ} differ")
         measure([*env.gpusnap, "delete", name], env=e_c).check()
+        if env.args.ab_criu_before_pages:
+            r["restore_registry_ab"] = ab_criu_before_pages(env, name, last_remote, values, after_timeout(r), 30 + 5 * gb(r["image_bytes"]))
     except Exception as exc:  # record, clean up, go on with the next workload
         r["error"] = f"{type(exc).__name__}: {exc}"
         say(f"{w.name}: FAILED: {r['error']}")
@@ -814,6 +816,33 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return r
+
+
+def ab_criu_before_pages(env: Env, name: str, remote: str, values: "Values", timeout: float, cost: float) -> list[dict[str, Any]]:
+    """Restores from the registry (each into an empty store) with CRIU started before the pages
+    are whole (GPUSNAP_CRIU_BEFORE_PAGES=1) and without it, in turn, after the measured one
+    above (which ran with the default): an A/B of the hold on this host."""
+    rounds: list[dict[str, Any]] = []
+    for i, hold in enumerate(("1", "0", "1")):
+        if env.left() < cost:
+            break
+        store = env.work / f"store-ab-{i}"
+        e = {**env.cli_env(store), "GPUSNAP_CRIU_BEFORE_PAGES": hold}
+        c = measure([*env.gpusnap, "restore", remote, "--insecure", "--json"], env=e)
+        c.check()
+        nxt = first_step_after(env, name, store, c.start, timeout)
+        time.sleep(1)
+        same, differ = values.compare([s for s in last_steps(env, name, store) if s[2] > c.start])
+        t = c.json().get("timings_s", {})
+        rounds.append({"criu_before_pages": hold == "1", "first_step_s": nxt[2] - c.start, "cmd_s": c.seconds, "timings_s": t,
+                       "same": same, "differ": differ})
+        say(f"A/B restore (registry), criu_before_pages={hold}: first step {nxt[2] - c.start:.2f} s (command {c.seconds:.2f} s); "
+            f"runc restore {t.get('restore: runtime: runc restore')}; waited {t.get('restore: runtime: wait for the root filesystem and images')}; "
+            f"pages whole after runc started {t.get('restore: runtime: pages whole, after runc was let go')}; "
+            f"CRIU waited {t.get('restore: runtime: CRIU waited for the pages')}; {same} steps equal, {differ} differ")
+        measure([*env.gpusnap, "delete", name], env=e).check()
+        shutil.rmtree(store, ignore_errors=True)
+    return rounds
 
 
 def after_timeout(r: dict[str, Any]) -> float:
@@ -946,6 +975,13 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 if pull > 0:
                     row(f"  of which pull, command minus its restore step (~{gb(got):.2f} GB fetched)", pull,
                         f"{gb(got) / pull / http_down:.2f}x HTTP download floor" if http_down else "", rate_bytes=got)
+        ab = w.get("restore_registry_ab") or []
+        for hold in (True, False):
+            secs = sorted(x["first_step_s"] for x in ab if x["criu_before_pages"] == hold)
+            if secs:
+                med = secs[len(secs) // 2]
+                row(f"A/B: restore from the registry, CRIU {'started before' if hold else 'after'} the pages ({len(secs)} rounds, median)", med,
+                    f"{med / bare_rs:.2f}x by hand" if bare_rs else "")
         cs = w.get("cold_start_s")
         if cs:
             for label, val in (("local store", rl), ("registry", rr)):
@@ -1011,6 +1047,8 @@ def main() -> int:
     ap.add_argument("--train-store-only", action="store_true", help="also a checkpoint without --push of the training run (the store's own speed)")
     ap.add_argument("--server-compile", default="reduce-overhead", choices=["reduce-overhead", "default", "none"])
     ap.add_argument("--floor-gib", type=float, default=0, help="bytes for each floor (default 1 GiB CPU, 4 GiB GPU)")
+    ap.add_argument("--ab-criu-before-pages", action="store_true",
+                    help="after the restore from the registry, three more: CRIU started before the pages are whole (GPUSNAP_CRIU_BEFORE_PAGES=1), not, and again")
     ap.add_argument("--report", type=Path, help="print the tables of a saved e2e.json again and exit")
     ap.add_argument("--floor", help=argparse.SUPPRESS)
     ap.add_argument("--floor-args", help=argparse.SUPPRESS)
