@@ -94,8 +94,11 @@ class Cmd:
     rss_tree: int  # wait4's ru_maxrss: the largest of it and the children it waited for
 
     def json(self) -> dict[str, Any]:
+        # Only the lines of the JSON document: a profiler wrapping the command (--py-spy)
+        # prints its own lines on stdout around it.
+        text = "\n".join(line for line in self.stdout.splitlines() if not line.startswith("py-spy> "))
         try:
-            return json.loads(self.stdout)
+            return json.loads(text)
         except ValueError:
             return {}
 
@@ -767,7 +770,8 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         # restore from the local store (time for it and the registry's)
         if env.left() > 60 + 10 * gb(r["image_bytes"]):
             say(f"{w.name}: gpusnap restore {last_ref} (local store)")
-            c3 = measure([*env.gpusnap, "restore", str(last_ref), "--json"], env=e_b)
+            c3 = measure([*profiler(env, f"restore-local-{w.name}"), *env.gpusnap, "restore", str(last_ref), "--json"], env=e_b,
+                         timeout=180 if env.args.py_spy else 900)
             r["rss"].append(rss_row("restore (local store)", c3))
             c3.check()
             nxt = first_step_after(env, name, store_b, c3.start, after_timeout(r))
@@ -789,7 +793,8 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         need(env, 30 + 5 * gb(r["image_bytes"]), "the restore from the registry")
         e_c = env.cli_env(store_c)
         say(f"{w.name}: gpusnap restore {last_remote} (empty local store)")
-        c4 = measure([*env.gpusnap, "restore", last_remote, "--insecure", "--json"], env=e_c)
+        c4 = measure([*profiler(env, f"restore-registry-{w.name}"), *env.gpusnap, "restore", last_remote, "--insecure", "--json"], env=e_c,
+                     timeout=180 if env.args.py_spy else 900)
         r["rss"].append(rss_row("restore (registry)", c4))
         c4.check()
         nxt = first_step_after(env, name, store_c, c4.start, after_timeout(r))
@@ -816,6 +821,17 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return r
+
+
+def profiler(env: Env, what: str) -> list[str]:
+    """``py-spy record`` (--py-spy): a timeline (chrometrace) of every Python thread of the gpusnap
+    command, sampled without stopping it; nothing without the option."""
+    if not env.args.py_spy:
+        return []
+    # Not --subprocesses: following children reaches the processes CRIU restores, and a run on
+    # the H100 hung so. The transfer processes and the runtime are not in the profile.
+    return [env.args.py_spy, "record", "--nonblocking", "--idle", "--threads", "--rate", "250",
+            "--format", "chrometrace", "-o", str(env.args.out / f"{what}.chrometrace.json"), "--"]
 
 
 def ab_criu_before_pages(env: Env, name: str, remote: str, values: "Values", timeout: float, cost: float) -> list[dict[str, Any]]:
@@ -1049,6 +1065,7 @@ def main() -> int:
     ap.add_argument("--floor-gib", type=float, default=0, help="bytes for each floor (default 1 GiB CPU, 4 GiB GPU)")
     ap.add_argument("--ab-criu-before-pages", action="store_true",
                     help="after the restore from the registry, three more: CRIU started before the pages are whole (GPUSNAP_CRIU_BEFORE_PAGES=1), not, and again")
+    ap.add_argument("--py-spy", help="py-spy binary: record the restore from the registry (a diagnosis: it runs slower so)")
     ap.add_argument("--report", type=Path, help="print the tables of a saved e2e.json again and exit")
     ap.add_argument("--floor", help=argparse.SUPPRESS)
     ap.add_argument("--floor-args", help=argparse.SUPPRESS)

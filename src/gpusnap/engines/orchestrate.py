@@ -587,8 +587,10 @@ def restore(
             if source.startswith(("/", "./", "../", "~")) or ("/" not in source and ":" not in source and "@" not in source):
                 raise NotFoundError(f"{source} is neither a file nor a reference like host/repo:tag; check the path or reference")
             api = packaging_api()
+            clock.lap("load the packaging code")
             remote = None
             in_store = _in_store(api, settings, source)
+            clock.lap("look in the store")
             if not in_store:
                 # Refuse before anything is downloaded or the store changes: the artifact's
                 # config (its metadata) is a small blob read straight from the registry.
