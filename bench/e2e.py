@@ -48,6 +48,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -995,7 +996,7 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
         for hold in (True, False):
             secs = sorted(x["first_step_s"] for x in ab if x["criu_before_pages"] == hold)
             if secs:
-                med = secs[len(secs) // 2]
+                med = statistics.median(secs)
                 row(f"A/B: restore from the registry, CRIU {'started before' if hold else 'after'} the pages ({len(secs)} rounds, median)", med,
                     f"{med / bare_rs:.2f}x by hand" if bare_rs else "")
         cs = w.get("cold_start_s")
