@@ -23,6 +23,8 @@
 # pushed and pulled back does not fit the 64 GB disk otherwise); results in $OUT/e2e/.
 # GS_GPU_RESTORE_PATH=GIB adds bench/restore_path.py (materialize and fetch of a synthetic
 # checkpoint of GIB GiB, no containers) after e2e; results in $OUT/restore_path.log.
+# GS_GPU_LAZY_PROBE=GIB adds bench/lazy_pages_probe.py (a CUDA container restored with CRIU's lazy
+# pages, by hand, beside an eager restore); results in $OUT/lazy.log and $OUT/lazy/.
 # Exit status: the suite's (pytest), or the benchmark's if the suite passed, or e2e's.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -104,6 +106,11 @@ if [ -n "${GS_GPU_RESTORE_PATH:-}" ]; then
   # writes it, all but the pages first; "--workers 16": materialize's thread count).
   python3 bench/restore_path.py --gib "$GS_GPU_RESTORE_PATH" --registry --work /var/tmp/gs-restore-path \
     --dest /dev/shm/gs-restore-path ${GS_GPU_RESTORE_PATH_ARGS:-} 2>&1 | tee "$OUT/restore_path.log"
+fi
+if [ -n "${GS_GPU_LAZY_PROBE:-}" ]; then
+  # Whether a CUDA container restores with CRIU's lazy pages (userfaultfd), by hand, and how the
+  # timings compare with an eager restore: bench/lazy_pages_probe.py with GS_GPU_LAZY_PROBE GiB.
+  python3 bench/lazy_pages_probe.py --gib "$GS_GPU_LAZY_PROBE" --out "$OUT/lazy" 2>&1 | tee "$OUT/lazy.log"
 fi
 
 echo
