@@ -65,8 +65,9 @@ def steps_after(c: e2e.BareContainer, since: float) -> list[tuple[int, str, floa
     return [s for s in e2e.parse_steps(c.output()) if s[2] > since]
 
 
-def lazy_restore(c: e2e.BareContainer, images: Path, cuda: e2e.CudaDriver | None, criu: str, out: Path) -> dict[str, Any]:
-    """``criu lazy-pages`` on a work directory, then ``runc restore --lazy-pages`` on the same one."""
+def lazy_restore(c: e2e.BareContainer, images: Path, cuda: e2e.CudaDriver | None, criu: str, out: Path, verbosity: int) -> dict[str, Any]:
+    """``criu lazy-pages`` on a work directory, then ``runc restore --lazy-pages`` on the same one.
+    ``verbosity``: the daemon's -v (4 logs every copy, which slows it)."""
     c._runc("delete", "--force", c.name)
     work = c.dir / "criu-work-lazy"
     shutil.rmtree(work, ignore_errors=True)
@@ -74,7 +75,7 @@ def lazy_restore(c: e2e.BareContainer, images: Path, cuda: e2e.CudaDriver | None
     r: dict[str, Any] = {}
     start = time.time()
     t0 = time.perf_counter()
-    daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work), "-v4", "--log-file", "lazy-pages.log"],
+    daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work), f"-v{verbosity}", "--log-file", "lazy-pages.log"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     sock = work / "lazy-pages.socket"
     while not sock.exists() and daemon.poll() is None and time.perf_counter() - t0 < 10:
@@ -117,6 +118,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/var/tmp/gs-lazy-probe"), help="on the root filesystem (the container's overlay of /)")
     ap.add_argument("--images", type=Path, default=Path("/dev/shm/gs-lazy-probe"))
     ap.add_argument("--out", type=Path, default=Path("/tmp/gs-lazy-probe-out"))
+    ap.add_argument("--daemon-verbosity", type=int, default=1, help="criu lazy-pages -vN (4 logs every page copy)")
+    ap.add_argument("--rounds", default="eager,lazy,eager", help="restores in turn, each from a fresh checkpoint")
     ap.add_argument("--cpu", action="store_true", help="no GPU: a CPU process holding --gib GiB (the mechanics alone)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -139,7 +142,7 @@ def main() -> int:
     try:
         c.start()
         e2e.wait_until(lambda: len(e2e.parse_steps(c.output())) >= 3, 120, "the holder's first steps", 0.1)
-        for mode in ("eager", "lazy", "eager"):
+        for mode in args.rounds.split(","):
             images = args.images / f"{mode}-{len(res.get('rounds', []))}"
             images.mkdir(parents=True)
             ck = c.checkpoint(images, cuda)
@@ -151,7 +154,7 @@ def main() -> int:
                 secs, started = c.restore(images, cuda)
                 row |= {"restore_s": secs}
             else:
-                row |= lazy_restore(c, images, cuda, criu, args.out)
+                row |= lazy_restore(c, images, cuda, criu, args.out, args.daemon_verbosity)
                 started = row.pop("started", time.time())
             if "error" not in row:
                 try:

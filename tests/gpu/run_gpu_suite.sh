@@ -110,7 +110,7 @@ fi
 if [ -n "${GS_GPU_LAZY_PROBE:-}" ]; then
   # Whether a CUDA container restores with CRIU's lazy pages (userfaultfd), by hand, and how the
   # timings compare with an eager restore: bench/lazy_pages_probe.py with GS_GPU_LAZY_PROBE GiB.
-  python3 bench/lazy_pages_probe.py --gib "$GS_GPU_LAZY_PROBE" --out "$OUT/lazy" 2>&1 | tee "$OUT/lazy.log"
+  python3 bench/lazy_pages_probe.py --gib "$GS_GPU_LAZY_PROBE" --out "$OUT/lazy" ${GS_GPU_LAZY_PROBE_ARGS:-} 2>&1 | tee "$OUT/lazy.log"
 fi
 
 echo
