@@ -1067,6 +1067,7 @@ def main() -> int:
     ap.add_argument("--ab-criu-before-pages", action="store_true",
                     help="after the restore from the registry, three more: CRIU started before the pages are whole (GPUSNAP_CRIU_BEFORE_PAGES=1), not, and again")
     ap.add_argument("--py-spy", help="py-spy binary: record the restore from the registry (a diagnosis: it runs slower so)")
+    ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources this interpreter imports, and exit")
     ap.add_argument("--report", type=Path, help="print the tables of a saved e2e.json again and exit")
     ap.add_argument("--floor", help=argparse.SUPPRESS)
     ap.add_argument("--floor-args", help=argparse.SUPPRESS)
@@ -1077,6 +1078,9 @@ def main() -> int:
         print(json.dumps(fn(**kw)))
         return 0
 
+    if args.source_digest:
+        print(source_digest())
+        return 0
     if args.report:
         saved = json.loads(args.report.read_text())
         print("\n".join(report(saved, bool(saved.get("gpu")))))
@@ -1170,6 +1174,20 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def source_digest() -> str:
+    """SHA-256 (first 12 hex) over the path and bytes of every .py file of the gpusnap package
+    this interpreter imports: which code ran, whatever the checkout's git says (a lent GPU
+    machine's copy of the tree may carry an older .git). `python3 bench/e2e.py --source-digest`
+    prints it for a checkout's installed package."""
+    import gpusnap
+
+    root = Path(gpusnap.__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def versions(gpusnap: str, runc: str) -> dict[str, str]:
     def first(cmd: list[str]) -> str:
         try:
@@ -1180,7 +1198,7 @@ def versions(gpusnap: str, runc: str) -> dict[str, str]:
 
     staged = REPO / "COMMIT"  # tests/gpu/stage.sh's copy is no git checkout: it says which commit it is
     commit = staged.read_text().strip() if staged.is_file() else first(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
-    v = {"commit": commit, "gpusnap": first([gpusnap, "--version"]), "runc": first([runc, "--version"]), "criu": first(["criu", "--version"]), "python": sys.version.split()[0]}
+    v = {"commit": commit, "source": source_digest(), "gpusnap": first([gpusnap, "--version"]), "runc": first([runc, "--version"]), "criu": first(["criu", "--version"]), "python": sys.version.split()[0]}
     if shutil.which("nvidia-smi"):
         v["gpu"] = first(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     return v
