@@ -507,21 +507,30 @@ class BareContainer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def byte_compile(gpusnap: str) -> str:
+def measured_package(gpusnap: str) -> tuple[str, str] | str:
+    """(interpreter, package directory) of the gpusnap that the command ``gpusnap`` runs (its
+    script's #! line), or why it cannot be told."""
+    try:
+        first = Path(gpusnap).read_text(errors="replace").splitlines()[0]
+    except (OSError, IndexError):
+        return f"{gpusnap} unreadable"
+    python = first[2:].strip().split()[0] if first.startswith("#!") else sys.executable
+    where = subprocess.run([python, "-c", "import gpusnap, os; print(os.path.dirname(gpusnap.__file__))"], capture_output=True, text=True)
+    if where.returncode:
+        return f"{python} cannot import gpusnap"
+    return python, where.stdout.strip()
+
+
+def byte_compile(found: tuple[str, str] | str) -> str:
     """Write the bytecode of the gpusnap package the measured commands import, as a pip install
     does: an editable install, or a wheel installed with --no-compile, under
     PYTHONDONTWRITEBYTECODE=1 (set on this project's machines) compiles every module from source
     in every gpusnap, gpusnap-runtime and gpusnap-hook process (~0.15 s a command on the 2-core
-    VM), which no installed gpusnap pays. Returns what was done, for the log."""
-    try:
-        first = Path(gpusnap).read_text(errors="replace").splitlines()[0]
-    except (OSError, IndexError):
-        return f"not compiled ({gpusnap} unreadable)"
-    python = first[2:].strip().split()[0] if first.startswith("#!") else sys.executable
-    where = subprocess.run([python, "-c", "import gpusnap, os; print(os.path.dirname(gpusnap.__file__))"], capture_output=True, text=True)
-    if where.returncode:
-        return f"not compiled ({python} cannot import gpusnap)"
-    pkg = where.stdout.strip()
+    VM), which no installed gpusnap pays. ``found``: :func:`measured_package`. Returns what
+    was done, for the log."""
+    if isinstance(found, str):
+        return f"not compiled ({found})"
+    python, pkg = found
     done = subprocess.run([python, "-m", "compileall", "-q", pkg], capture_output=True, text=True)
     return f"compiled {pkg} with {python}" if done.returncode == 0 else f"compileall failed: {done.stderr.strip()[-200:]}"
 
@@ -994,7 +1003,7 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                         f"{gb(got) / pull / http_down:.2f}x HTTP download floor" if http_down else "", rate_bytes=got)
         ab = w.get("restore_registry_ab") or []
         for hold in (True, False):
-            secs = sorted(x["first_step_s"] for x in ab if x["criu_before_pages"] == hold)
+            secs = [x["first_step_s"] for x in ab if x["criu_before_pages"] == hold]
             if secs:
                 med = statistics.median(secs)
                 row(f"A/B: restore from the registry, CRIU {'started before' if hold else 'after'} the pages ({len(secs)} rounds, median)", med,
@@ -1066,8 +1075,8 @@ def main() -> int:
     ap.add_argument("--floor-gib", type=float, default=0, help="bytes for each floor (default 1 GiB CPU, 4 GiB GPU)")
     ap.add_argument("--ab-criu-before-pages", action="store_true",
                     help="after the restore from the registry, three more: CRIU started before the pages are whole (GPUSNAP_CRIU_BEFORE_PAGES=1), not, and again")
-    ap.add_argument("--py-spy", help="py-spy binary: record the restore from the registry (a diagnosis: it runs slower so)")
-    ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources this interpreter imports, and exit")
+    ap.add_argument("--py-spy", help="py-spy binary: record both restores' CLI timelines (a diagnosis: they run slower so)")
+    ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources the gpusnap command runs, and exit")
     ap.add_argument("--report", type=Path, help="print the tables of a saved e2e.json again and exit")
     ap.add_argument("--floor", help=argparse.SUPPRESS)
     ap.add_argument("--floor-args", help=argparse.SUPPRESS)
@@ -1078,12 +1087,14 @@ def main() -> int:
         print(json.dumps(fn(**kw)))
         return 0
 
-    if args.source_digest:
-        print(source_digest())
-        return 0
     if args.report:
         saved = json.loads(args.report.read_text())
         print("\n".join(report(saved, bool(saved.get("gpu")))))
+        return 0
+    gpusnap = shutil.which("gpusnap") or str(Path(sys.executable).parent / "gpusnap")
+    package = measured_package(gpusnap)
+    if args.source_digest:
+        print(source_digest(package))
         return 0
     t_begin = time.time()
     deadline = t_begin + args.budget if args.budget else 0
@@ -1093,8 +1104,7 @@ def main() -> int:
     host = socket.gethostname().split(".")[0]
     args.out = args.out or REPO / "bench" / "results" / f"{'gpu' if args.gpu else 'cpu'}-e2e-{host}-{time.strftime('%Y-%m-%d-%H%M')}"
     args.out.mkdir(parents=True, exist_ok=True)
-    gpusnap = shutil.which("gpusnap") or str(Path(sys.executable).parent / "gpusnap")
-    compiled = byte_compile(gpusnap)
+    compiled = byte_compile(package)
     runc = shutil.which("runc")
     if not runc or not shutil.which("criu"):
         print("e2e: runc and criu must be on PATH", file=sys.stderr)
@@ -1114,7 +1124,7 @@ def main() -> int:
     py = sys.executable
     fsize = int((args.floor_gib or (4 if args.gpu else 1)) * GIB)
     res: dict[str, Any] = {"host": host, "gpu": args.gpu, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_begin)), "cores": os.cpu_count(),
-                           "versions": versions(gpusnap, runc), "workloads": []}
+                           "versions": versions(gpusnap, runc, package), "workloads": []}
     say(f"e2e on {host}: {os.cpu_count()} cores; {res['versions']}")
     say(f"gpusnap's bytecode: {compiled}")
     cuda = CudaDriver() if args.gpu else None
@@ -1174,21 +1184,21 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def source_digest() -> str:
+def source_digest(found: tuple[str, str] | str) -> str:
     """SHA-256 (first 12 hex) over the path and bytes of every .py file of the gpusnap package
-    this interpreter imports: which code ran, whatever the checkout's git says (a lent GPU
-    machine's copy of the tree may carry an older .git). `python3 bench/e2e.py --source-digest`
-    prints it for a checkout's installed package."""
-    import gpusnap
-
-    root = Path(gpusnap.__file__).parent
+    ``found`` (:func:`measured_package`): which code ran, whatever the checkout's git says (a lent
+    GPU machine's copy of the tree may carry an older .git). `bench/e2e.py --source-digest`
+    prints it."""
+    if isinstance(found, str):
+        return f"? ({found})"
+    root = Path(found[1])
     h = hashlib.sha256()
     for f in sorted(root.rglob("*.py")):
         h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:12]
 
 
-def versions(gpusnap: str, runc: str) -> dict[str, str]:
+def versions(gpusnap: str, runc: str, package: tuple[str, str] | str) -> dict[str, str]:
     def first(cmd: list[str]) -> str:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -1198,7 +1208,7 @@ def versions(gpusnap: str, runc: str) -> dict[str, str]:
 
     staged = REPO / "COMMIT"  # tests/gpu/stage.sh's copy is no git checkout: it says which commit it is
     commit = staged.read_text().strip() if staged.is_file() else first(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
-    v = {"commit": commit, "source": source_digest(), "gpusnap": first([gpusnap, "--version"]), "runc": first([runc, "--version"]), "criu": first(["criu", "--version"]), "python": sys.version.split()[0]}
+    v = {"commit": commit, "source": source_digest(package), "gpusnap": first([gpusnap, "--version"]), "runc": first([runc, "--version"]), "criu": first(["criu", "--version"]), "python": sys.version.split()[0]}
     if shutil.which("nvidia-smi"):
         v["gpu"] = first(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     return v

@@ -82,7 +82,11 @@ def lazy_restore(c: e2e.BareContainer, images: Path, cuda: e2e.CudaDriver | None
         time.sleep(0.005)
     r["daemon_ready_s"] = time.perf_counter() - t0
     if not sock.exists():
-        r["error"] = f"the lazy-pages daemon did not start (exit {daemon.poll()}): {(daemon.stderr.read() if daemon.stderr else '')[-800:]}"
+        alive = daemon.poll() is None
+        if alive:
+            daemon.kill()
+        err = daemon.communicate()[1] or ""
+        r["error"] = f"the lazy-pages daemon did not start ({'killed after 10 s' if alive else f'exit {daemon.returncode}'}): {err[-800:]}"
         return r
     t1 = time.perf_counter()
     p = subprocess.run([c.runc, "--root", str(c.root), "restore", "-d", "--lazy-pages", "--bundle", str(c.bundle), "--image-path", str(images),
@@ -100,6 +104,8 @@ def lazy_restore(c: e2e.BareContainer, images: Path, cuda: e2e.CudaDriver | None
         r["cuda_restore_unlock_s"] = time.perf_counter() - t2
     r["restore_s"] = time.perf_counter() - t0
     r["started"] = start
+    if p.returncode:
+        daemon.kill()  # no restore will connect to it: do not wait for it
     try:
         daemon.wait(timeout=120)
         r["daemon_done_s"] = time.perf_counter() - t0

@@ -74,7 +74,8 @@ class Settings:
     # Whether a runc-direct restore through gpusnap-runtime starts runc and CRIU before its
     # memory pages are whole, CRIU held before it reads them (gpusnap.checkpoint.pages_hold).
     # Off by default: on the VM it gained nothing (bench/results/criu-hold-vm-2026-11-25: CRIU
-    # reaches the hold 0.04 s after it starts; the rest of its restore is copying the pages).
+    # reaches the hold 0.04 s after it starts; the rest of its restore is copying the pages),
+    # on the GPU hosts 0.1-0.2 s, within one host's spread (docs/runtime.md).
     criu_before_pages: bool = False
     # Transfer processes of a restore from a registry (gpusnap.packaging.fetch_worker): None =
     # chosen from the pull's size and the cores; 0 = all in the gpusnap process.
