@@ -59,3 +59,12 @@ def pagemap(pages_id: int, entries: list[tuple[int, int, int | None, bool]], *, 
 def present_pagemap(pages_id: int, entries: list[tuple[int, int]]) -> bytes:
     """A pagemap image whose (vaddr, nr_pages) entries are all present in its pages file."""
     return pagemap(pages_id, [(va, nr, PE_PRESENT, False) for va, nr in entries])
+
+
+MM_MAGIC = 0x57492820
+
+
+def mm(vmas: list[tuple[int, int]]) -> bytes:
+    """An mm image with only its mappings' (start, end) (MmEntry.vmas = 14; VmaEntry start 1, end 2)."""
+    body = b"".join(field_bytes(14, field_varint(1, start) + field_varint(2, end)) for start, end in vmas)
+    return image(MM_MAGIC, [body])

@@ -80,6 +80,10 @@ class Settings:
     # Transfer processes of a restore from a registry (gpusnap.packaging.fetch_worker): None =
     # chosen from the pull's size and the cores; 0 = all in the gpusnap process.
     fetch_processes: int | None = None
+    # Whether a runc-direct restore lets the process go before its memory is in, CRIU's lazy
+    # pages filled by gpusnap's own page server (gpusnap.criu.lazy_pages) while the GPU's state
+    # is copied back; ``gpusnap restore --lazy-pages`` asks for it once.
+    lazy_pages: bool = False
 
 
 _ENV = {
@@ -98,13 +102,14 @@ _ENV = {
     "GPUSNAP_STORE_WHILE_DUMPING": "store_while_dumping",
     "GPUSNAP_CRIU_BEFORE_PAGES": "criu_before_pages",
     "GPUSNAP_FETCH_PROCESSES": "fetch_processes",
+    "GPUSNAP_LAZY_PAGES": "lazy_pages",
 }
 
 _FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"root"}
 
 
 def _coerce(name: str, value: object, source: str) -> object:
-    if name in ("gpu_request_env", "store_while_dumping", "criu_before_pages"):
+    if name in ("gpu_request_env", "store_while_dumping", "criu_before_pages", "lazy_pages"):
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()

@@ -64,6 +64,8 @@ class RestoreOptions:
     # engines/imagedir.py ImageJob): the engine calls it just before CRIU reads the images and
     # gets the writer's error if it failed. Engines that do not call it are given whole images.
     images_ready: Callable[[], object] | None = None
+    # CRIU's lazy pages served by gpusnap.criu.lazy_pages (engines with LAZY_PAGES = True).
+    lazy_pages: bool = False
 
 
 @dataclass

@@ -550,9 +550,11 @@ def restore(
     ip: str | None = None,
     decryption: Any = None,
     notice: Progress | None = None,
+    lazy_pages: bool | None = None,
 ) -> RestoreOutcome:
     """``decryption``: gpusnap.packaging.crypto.DecryptionKeys for an encrypted checkpoint.
-    ``notice``: as for :func:`checkpoint`."""
+    ``notice``: as for :func:`checkpoint`. ``lazy_pages``: True asks for a lazy restore (refused
+    by engines that cannot), None leaves it to ``settings.lazy_pages`` where the engine can."""
     keys = {"decryption": decryption} if decryption is not None else {}
     path = Path(source)
     clock = _StageClock()
@@ -651,8 +653,12 @@ def restore(
             raise UsageError(f"{eng.name} already has a container named {name}; pick another --name")
         progress(f"restoring through {eng.name}")
         clock.lap("prepare the engine")
+        lazy_capable = bool(getattr(type(eng), "LAZY_PAGES", False))
+        if lazy_pages and not lazy_capable:
+            raise UsageError(f"--lazy-pages works with the runc-direct engine only, and {source} restores through {eng.name}; drop --lazy-pages")
         engine_steps: dict[str, float] = {}
-        opts = RestoreOptions(name=name, tcp_established=tcp_established, ip=ip, timings=engine_steps)
+        opts = RestoreOptions(name=name, tcp_established=tcp_established, ip=ip, timings=engine_steps,
+                              lazy_pages=lazy_capable and (settings.lazy_pages if lazy_pages is None else lazy_pages))
         if images is not None:
             if getattr(type(eng), "OVERLAPS_IMAGES", False):
                 opts.images_ready = images.wait  # the engine prepares the container meanwhile

@@ -63,6 +63,8 @@ NETWORK_MODES = ("none", "bridge")
 RUNTIME_TIMEOUT_S = 300  # one runtime call (a restore: from its images being ready)
 BESIDE_STEP = "prepare the root filesystem and images beside the runtime"
 BESIDE_PREFIX = "beside the runtime: "  # timings of what ran on the restore's own threads meanwhile
+LAZY_SERVER_STEP = "start the lazy-pages server"
+LAZY_FILL_STEP = "fill the memory (lazy pages)"
 WAIT_IMAGES = "wait for the checkpoint images"  # the restore step that waits for the pages files (RestoreOptions.images_ready)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -247,6 +249,7 @@ class RuncDirectEngine(EngineBase):
     # restore() waits for RestoreOptions.images_ready itself, after preparing the bundle, root
     # filesystem and network: a restore writes the pages files meanwhile (orchestrate.restore).
     OVERLAPS_IMAGES = True
+    LAZY_PAGES = True  # RestoreOptions.lazy_pages: gpusnap.criu.lazy_pages serves CRIU's lazy restore
     # checkpoint() has CRIU write its images straight into ``dest``, so the store can pack the
     # pages files while they are written (orchestrate.checkpoint, packaging/follow.py).
     DUMPS_INTO_DEST = True
@@ -478,7 +481,7 @@ class RuncDirectEngine(EngineBase):
 
     def _start(
         self, rec: RuncDirectRecord, restore_from: Path | None, *, skip_lock: bool, spec: dict[str, Any] | None = None, tcp_established: bool = False,
-        timings: dict[str, float] | None = None, images_ready: Callable[[], object] | None = None,
+        timings: dict[str, float] | None = None, images_ready: Callable[[], object] | None = None, lazy_pages: bool = False,
     ) -> None:
         """``images_ready`` (a restore whose pages files are still being written): waited for
         after everything else is prepared, just before runc starts CRIU; its failure undoes
@@ -518,9 +521,39 @@ class RuncDirectEngine(EngineBase):
                     _close_quietly(pipes.pop(key))
             _kill_quietly(rec.logcopy_pid)
 
+        lazy: dict[str, Any] = {}  # the page server and its work directory (lazy_pages)
+
+        def start_page_server() -> None:
+            from gpusnap.criu.lazy_pages import LazyPagesError, ServerProcess
+
+            assert restore_from is not None
+            lazy["work"] = Path(tempfile.mkdtemp(prefix=f"{rec.name}-", dir=self.container_dir(rec.name)))
+            try:
+                lazy["server"] = ServerProcess.spawn(restore_from, lazy["work"], log=self.container_dir(rec.name) / "lazy-pages.log")
+            except LazyPagesError as exc:
+                raise RestoreError(f"{exc}; restore without --lazy-pages") from None
+
+        def stop_page_server() -> None:
+            if "server" in lazy:
+                lazy.pop("server").kill()
+
+        def fill_memory() -> None:
+            # The process runs; what CRIU left out of its memory is in only when the server says
+            # so. If it cannot finish, the container is removed (the undo of the restore step):
+            # a process missing pages would get zeros where its memory was.
+            from gpusnap.criu.lazy_pages import LazyPagesError
+
+            server = lazy.pop("server")
+            try:
+                summary = server.wait(RUNTIME_TIMEOUT_S)
+            except LazyPagesError as exc:
+                raise RestoreError(f"{exc}; the container was removed, the checkpoint is unchanged: restore it again without --lazy-pages") from None
+            lazy["summary"] = summary
+            shutil.rmtree(lazy["work"], ignore_errors=True)
+
         def start() -> None:
             self.runc_root.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix=f"{rec.name}-", dir=self.container_dir(rec.name)))
+            work = lazy.get("work") or Path(tempfile.mkdtemp(prefix=f"{rec.name}-", dir=self.container_dir(rec.name)))
             # The container inherits runc's stdio, stderr included, so runc's own errors go to
             # a log file rather than a pipe that would stay open as long as the container runs.
             runtime_log = work / "runtime.log"
@@ -530,6 +563,8 @@ class RuncDirectEngine(EngineBase):
                 what = "start"
             else:
                 args = [*logging, "restore", "--detach", "--image-path", str(restore_from), "--work-path", str(work), "--bundle", str(bundle)]
+                if "server" in lazy:
+                    args.append("--lazy-pages")
                 if tcp_established:
                     args.append("--tcp-established")
                 args.append(rec.name)
@@ -547,7 +582,8 @@ class RuncDirectEngine(EngineBase):
                 detail = _runtime_log_error(runtime_log) or _criu_log_tail(work)
                 err = RestoreError if restore_from is not None else GpusnapError
                 raise err(f"could not {what} {rec.name}: {detail}")
-            shutil.rmtree(work, ignore_errors=True)
+            if "server" not in lazy:  # else the server's (removed once it is done)
+                shutil.rmtree(work, ignore_errors=True)
 
         def undo_start() -> None:
             self._runtime("delete", "--force", rec.name, timeout=60)
@@ -565,7 +601,11 @@ class RuncDirectEngine(EngineBase):
             steps.append(Step(BESIDE_STEP, beside.start, beside.undo))
         elif restore_from is not None and images_ready is not None:
             steps.append(Step(WAIT_IMAGES, images_ready))
+        if restore_from is not None and lazy_pages:
+            steps.append(Step(LAZY_SERVER_STEP, start_page_server, stop_page_server))
         steps.append(Step("restore the container" if restore_from else "start the container", start, undo_start))
+        if restore_from is not None and lazy_pages:
+            steps.append(Step(LAZY_FILL_STEP, fill_memory))
         if restore_from is not None and rec.network != "none":
             # The recreated network stays unplugged until the sockets are back (see activate).
             steps.append(Step("connect the network", lambda: _network_manager(self.settings).activate(rec.name)))
@@ -577,6 +617,10 @@ class RuncDirectEngine(EngineBase):
             timings.update({f"{BESIDE_PREFIX}{k}": v for k, v in beside_times.items()})
             if restore_from is not None:
                 timings.update(runtime_restore_timings(restore_from))
+            if "summary" in lazy:
+                for key in ("copy_gbps", "server_s", "restore_finished_s", "done_s"):
+                    if key in lazy["summary"]:
+                        timings[f"lazy pages: {key}"] = lazy["summary"][key]
 
     def _gated_runtime(self, args: list[str], pipes: dict[str, int], beside: Beside, images_ready: Callable[[], object] | None,
                        times: dict[str, float]) -> subprocess.CompletedProcess[str]:
@@ -753,7 +797,7 @@ class RuncDirectEngine(EngineBase):
         skip_lock = self._lock_skippable(rec)
         self._require_network_lock(rec, skip_lock, "restore")
         self._start(rec, restore_from=source, skip_lock=skip_lock, spec=saved["spec"], tcp_established=opts.tcp_established,
-                    timings=opts.timings, images_ready=opts.images_ready)
+                    timings=opts.timings, images_ready=opts.images_ready, lazy_pages=opts.lazy_pages)
         info = self.get(name)
         assert info is not None
         return info

@@ -57,6 +57,8 @@ class PagemapReader:
         self.buf = bytearray()
         self.pages_id: int | None = None
         self.ranges: list[PageRange] = []
+        self.lazy: list[bool] = []  # per range: flagged PE_LAZY (CRIU's lazy restore may leave it to a page server)
+        self.lazy_not_present = 0  # lazy entries whose pages are not in the file (dumped with --lazy-pages)
         self._offset = 0  # bytes of the pages file the ranges so far take
         self._magic = False
 
@@ -98,12 +100,16 @@ class PagemapReader:
         vaddr, nr = int(f[1][0]), int(f.get(2, [0])[0])
         if 5 in f and int(f[5][0]):
             nr = int(f[5][0])  # CRIU 4.2 moved the count to a uint64 (field 5) and writes 0 in field 2
+        flags = int(f[4][0]) if 4 in f else 0
         if 4 in f:
-            present = bool(int(f[4][0]) & PE_PRESENT)
+            present = bool(flags & PE_PRESENT)
         else:
             present = not int(f.get(3, [0])[0])
         if not (present and nr):
+            if flags & PE_LAZY and not flags & PE_PARENT and nr:
+                self.lazy_not_present += 1
             return None
+        self.lazy.append(bool(flags & PE_LAZY))
         r = PageRange(vaddr, self._offset, nr)
         self._offset += nr * PAGE_SIZE
         return r

@@ -1,0 +1,784 @@
+"""gpusnap's page server for CRIU's lazy restore (``runc restore --lazy-pages``), over userfaultfd.
+
+With ``--lazy-pages`` CRIU restores a process without copying its private anonymous memory: it
+registers those mappings with a userfaultfd, hands the descriptor to a page server listening on
+``lazy-pages.socket`` in its work directory, and lets the process go. The server fills the
+pages with ``UFFDIO_COPY`` — the ones a thread touches first (a page fault it is told about),
+the rest in the background. For a GPU container this is what the CUDA driver's restore wants:
+it reads the checkpointed device memory out of the process's host memory, so the pages can be
+filled while it copies them to the GPU instead of all before it starts.
+
+Why not ``criu lazy-pages``: it copies one range at a time from one thread, from a buffer it
+reads the image into (bench/results/gpu-h200-lazy-pages-2026-11-25: ~1.2 GB/s, slower than the
+eager restore it replaces). This server maps the pages files (on the restore's tmpfs) and copies
+straight from them, in large ranges, on a pool of threads (the ioctl releases the interpreter
+lock), starting where the last fault was, so that a reader going through memory in order finds
+its pages there. There is no library for the server side of CRIU's protocol; the facts used:
+
+* The socket protocol (criu/uffd.c): one stream connection from the restore; per task of the
+  tree an ``int`` pid (negative for a zombie, then nothing more) followed by the userfaultfd as
+  SCM_RIGHTS on one dummy byte; at the end the ``uint32`` 0x52535446 ("restore finished"),
+  then the restore closes the connection. A task's pages are its ``pagemap-<pid>.img`` entries
+  flagged PE_LAZY, laid out in ``pages-<pages_id>.img`` as the eager restore reads them; a copy
+  must stay inside one mapping (``mm-<pid>.img``), so ranges are cut at mapping ends.
+* The mappings are registered in the restorer, after the descriptor is sent: background copies
+  start once the restore says it finished (before that only faults are served).
+* The events (linux/userfaultfd.h, the features CRIU asks for): a page fault; fork (a new
+  descriptor for the child, whose missing pages are the parent's at that moment); mremap (the
+  missing pages moved); munmap and MADV_DONTNEED/REMOVE (no longer to be filled: a copy after
+  the event would bring back memory the process dropped). While such an event waits to be read,
+  copies fail with EAGAIN; once it is read the process goes on changing its memory. So events
+  are read only while no copy of that task is in flight (a per-task lock that copies share and
+  the event reader takes alone), and what they change is applied before the next copy.
+* A page the process touches that no lazy entry holds was never written before the dump: it
+  gets the zero page. A copy of a range a fault raced with ends in EEXIST for the present page.
+
+The process must not lose this server before its last page is in: the kernel would then fill
+the missing pages with zeros. So it runs in a session of its own (a ^C or the death of the
+``gpusnap`` that started it does not reach it), and ``gpusnap restore`` returns only after it
+reported every page copied; if it fails instead, the restore removes the container and fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import ctypes
+import errno
+import fcntl
+import json
+import mmap
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpusnap.packaging.pagemap import PAGE_SIZE, PagemapReader
+from gpusnap.packaging.pstree import ImageFormatError, decode_message, read_entries
+
+SOCKET_NAME = "lazy-pages.socket"
+RESTORE_FINISHED = 0x52535446
+MM_MAGIC = 0x57492820
+READY = b"ready\n"
+
+# linux/userfaultfd.h: _IOWR/_IOR(0xAA, nr, struct), the same on x86_64 and arm64.
+UFFDIO_UNREGISTER = 0x8010AA01
+UFFDIO_WAKE = 0x8010AA02
+UFFDIO_COPY = 0xC028AA03
+UFFDIO_ZEROPAGE = 0xC020AA04
+EVENT_PAGEFAULT, EVENT_FORK, EVENT_REMAP, EVENT_REMOVE, EVENT_UNMAP = 0x12, 0x13, 0x14, 0x15, 0x16
+MSG_SIZE = 32
+
+CHUNK = 4 << 20  # one background copy
+FAULT_CHUNK = 1 << 20  # the copy that answers a fault (from the faulting page on)
+
+
+class LazyPagesError(Exception):
+    """The images cannot be served lazily, or serving failed."""
+
+
+@dataclass
+class Interval:
+    start: int  # virtual address, page-aligned
+    end: int
+    src: int  # address, in this process, of the bytes for ``start``
+
+
+class Pending:
+    """The ranges of one process still to copy: sorted, disjoint intervals with their source."""
+
+    def __init__(self, items: list[Interval] | None = None) -> None:
+        self.items: list[Interval] = sorted(items or [], key=lambda i: i.start)
+        self.starts = [i.start for i in self.items]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def bytes(self) -> int:
+        return sum(i.end - i.start for i in self.items)
+
+    def copy(self) -> "Pending":
+        return Pending([Interval(i.start, i.end, i.src) for i in self.items])
+
+    def _index_at_or_after(self, addr: int) -> int:
+        k = bisect.bisect_right(self.starts, addr) - 1
+        if k >= 0 and self.items[k].end > addr:
+            return k
+        return k + 1
+
+    def find(self, addr: int) -> Interval | None:
+        k = bisect.bisect_right(self.starts, addr) - 1
+        if k >= 0 and self.items[k].start <= addr < self.items[k].end:
+            return self.items[k]
+        return None
+
+    def take(self, start: int, end: int) -> list[Interval]:
+        """Remove [start, end) and return the parts of it that were pending."""
+        out: list[Interval] = []
+        k = self._index_at_or_after(start)
+        while k < len(self.items) and self.items[k].start < end:
+            it = self.items[k]
+            lo, hi = max(it.start, start), min(it.end, end)
+            out.append(Interval(lo, hi, it.src + (lo - it.start)))
+            pieces = []
+            if it.start < lo:
+                pieces.append(Interval(it.start, lo, it.src))
+            if hi < it.end:
+                pieces.append(Interval(hi, it.end, it.src + (hi - it.start)))
+            self.items[k:k + 1] = pieces
+            self.starts[k:k + 1] = [p.start for p in pieces]
+            k += len(pieces)
+        return out
+
+    def next_chunk(self, cursor: int, size: int) -> Interval | None:
+        """The next ``size`` bytes (at most, within one interval) from ``cursor`` on, wrapping."""
+        if not self.items:
+            return None
+        k = self._index_at_or_after(cursor)
+        if k >= len(self.items):
+            k = 0
+        it = self.items[k]
+        lo = max(it.start, cursor) if it.start <= cursor < it.end else it.start
+        got = self.take(lo, min(it.end, lo + size))
+        return got[0]
+
+    def put(self, iv: Interval) -> None:
+        """Give back a range taken and not copied (it overlaps nothing pending)."""
+        if iv.end <= iv.start:
+            return
+        k = bisect.bisect_left(self.starts, iv.start)
+        self.items.insert(k, iv)
+        self.starts.insert(k, iv.start)
+
+    def move(self, frm: int, to: int, length: int) -> None:
+        for iv in self.take(frm, frm + length):
+            self.put(Interval(iv.start - frm + to, iv.end - frm + to, iv.src))
+
+
+class SharedExclusive:
+    """A lock copies share and the event reader takes alone, the reader first in line once it
+    asks (else a pool of copiers would keep it out). The stdlib has no such lock."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    def acquire_shared(self) -> None:
+        with self._cond:
+            while self._exclusive or self._waiting:
+                self._cond.wait()
+            self._shared += 1
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._shared -= 1
+            if not self._shared:
+                self._cond.notify_all()
+
+    def acquire_exclusive(self) -> None:
+        with self._cond:
+            self._waiting += 1
+            while self._exclusive or self._shared:
+                self._cond.wait()
+            self._waiting -= 1
+            self._exclusive = True
+
+    def release_exclusive(self) -> None:
+        with self._cond:
+            self._exclusive = False
+            self._cond.notify_all()
+
+
+@dataclass
+class Stats:
+    copied_bytes: int = 0
+    fault_bytes: int = 0  # of copied_bytes, copied to answer a fault
+    faults: int = 0
+    zero_pages: int = 0
+    copies: int = 0
+    dropped_bytes: int = 0  # pending bytes the process unmapped or dropped before they were copied
+    events: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"copied_bytes": self.copied_bytes, "fault_bytes": self.fault_bytes, "faults": self.faults, "zero_pages": self.zero_pages,
+                "copies": self.copies, "dropped_bytes": self.dropped_bytes, "events": dict(self.events)}
+
+
+class Task:
+    """One process's userfaultfd and what is still missing in it."""
+
+    def __init__(self, pid: int, uffd: int, pending: Pending) -> None:
+        self.pid = pid
+        self.uffd = uffd
+        self.pending = pending
+        self.total = pending.bytes()
+        self.mu = threading.Lock()  # pending, inflight, cursor
+        self.gate = SharedExclusive()  # copies (shared) against reading events (exclusive)
+        self.inflight: list[Interval] = []
+        self.cursor = pending.items[0].start if pending.items else 0
+        self.gone = False  # the process exited: nothing more to copy
+
+    def done(self) -> bool:
+        with self.mu:
+            return self.gone or (not self.pending.items and not self.inflight)
+
+    def in_flight(self, addr: int) -> bool:
+        return any(iv.start <= addr < iv.end for iv in self.inflight)
+
+
+def _ioctl(fd: int, request: int, buf: bytearray) -> int:
+    """The ioctl's errno, 0 on success (``buf`` is updated in place)."""
+    try:
+        fcntl.ioctl(fd, request, buf, True)
+        return 0
+    except OSError as exc:
+        return exc.errno or errno.EIO
+
+
+def uffd_copy(uffd: int, dst: int, src: int, length: int) -> tuple[int, int]:
+    """(bytes copied, errno): a copy that stopped early says how far it got."""
+    buf = bytearray(struct.pack("<QQQQq", dst, src, length, 0, 0))
+    err = _ioctl(uffd, UFFDIO_COPY, buf)
+    done = struct.unpack_from("<q", buf, 32)[0]
+    if not err:
+        return length, 0
+    return max(done, 0), err
+
+
+def uffd_zeropage(uffd: int, start: int, length: int) -> int:
+    buf = bytearray(struct.pack("<QQQq", start, length, 0, 0))
+    return _ioctl(uffd, UFFDIO_ZEROPAGE, buf)
+
+
+def uffd_range(uffd: int, request: int, start: int, length: int) -> int:
+    return _ioctl(uffd, request, bytearray(struct.pack("<QQ", start, length)))
+
+
+def mapping_ends(mm_image: bytes) -> list[tuple[int, int]]:
+    """(start, end) of every mapping in ``mm-<pid>.img`` (MmEntry.vmas = 14; VmaEntry start 1, end 2)."""
+    entries = read_entries(mm_image, MM_MAGIC)
+    if not entries:
+        raise ImageFormatError("mm image without an entry")
+    out = []
+    for raw in decode_message(entries[0]).get(14, []):
+        f = decode_message(raw)
+        out.append((int(f[1][0]), int(f[2][0])))
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class LazyRange:
+    vaddr: int
+    file_offset: int
+    length: int
+
+
+def lazy_ranges(pagemap_image: bytes, vmas: list[tuple[int, int]]) -> tuple[int, list[LazyRange]]:
+    """(pages_id, the lazy ranges of a pagemap image, cut at mapping ends)."""
+    reader = PagemapReader()
+    reader.feed(pagemap_image)
+    if reader.pending or reader.pages_id is None:
+        raise ImageFormatError("pagemap image is truncated")
+    if reader.lazy_not_present:
+        raise LazyPagesError("the checkpoint leaves lazy pages out of its pages files (dumped with --lazy-pages); it cannot be served from them")
+    ends = [e for _, e in vmas]
+    out: list[LazyRange] = []
+    for r, lazy in zip(reader.ranges, reader.lazy, strict=True):
+        if not lazy:
+            continue
+        start, end, off = r.vaddr, r.vaddr + r.nr_pages * PAGE_SIZE, r.file_offset
+        while start < end:
+            k = bisect.bisect_right(ends, start)
+            stop = min(end, ends[k]) if k < len(ends) else end
+            out.append(LazyRange(start, off, stop - start))
+            off += stop - start
+            start = stop
+    return reader.pages_id, out
+
+
+class PagesFiles:
+    """The image directory's pages files, mapped once each, read-only to the server."""
+
+    def __init__(self, images: Path) -> None:
+        self.images = images
+        self._maps: dict[int, tuple[mmap.mmap, int, Any]] = {}
+        self._lock = threading.Lock()
+
+    def base(self, pages_id: int) -> tuple[int, int]:
+        """(address, size) of pages-<pages_id>.img mapped in this process."""
+        with self._lock:
+            if pages_id not in self._maps:
+                path = self.images / f"pages-{pages_id}.img"
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if not size:
+                        self._maps[pages_id] = (None, 0, None)  # type: ignore[assignment]
+                    else:
+                        # A private, writable view only so that ctypes gives its address; it is
+                        # never written, so it shares the file's pages.
+                        m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                        anchor = ctypes.c_char.from_buffer(m)
+                        self._maps[pages_id] = (m, size, anchor)
+            m, size, anchor = self._maps[pages_id]
+            return (ctypes.addressof(anchor) if anchor is not None else 0), size
+
+    def close(self) -> None:
+        with self._lock:
+            self._maps.clear()  # the maps go with their last reference (the ctypes anchors hold them)
+
+
+def task_pending(images: Path, pid: int, files: PagesFiles) -> Pending:
+    try:
+        vmas = mapping_ends((images / f"mm-{pid}.img").read_bytes())
+        pages_id, ranges = lazy_ranges((images / f"pagemap-{pid}.img").read_bytes(), vmas)
+    except (OSError, ImageFormatError) as exc:
+        raise LazyPagesError(f"cannot read the memory images of process {pid}: {exc}") from exc
+    if not ranges:
+        return Pending()
+    base, size = files.base(pages_id)
+    items = []
+    for r in ranges:
+        if r.file_offset + r.length > size:
+            raise LazyPagesError(f"pages-{pages_id}.img is shorter than its pagemap says; the checkpoint is damaged")
+        items.append(Interval(r.vaddr, r.vaddr + r.length, base + r.file_offset))
+    return Pending(items)
+
+
+class Server:
+    """Serves one restore: ``listen``, then ``run`` until every page of every task is in."""
+
+    def __init__(self, images: Path, work: Path, *, threads: int = 8, log: Any = None) -> None:
+        self.images = images
+        self.work = work
+        self.threads = max(1, threads)
+        self.files = PagesFiles(images)
+        self.stats = Stats()
+        self.stats_mu = threading.Lock()
+        self.tasks: list[Task] = []
+        self.tasks_mu = threading.Lock()
+        self.work_cv = threading.Condition()
+        self.finished = False  # the restore said it finished: mappings are registered
+        self.failure: str | None = None
+        self.log = log
+        self.listener: socket.socket | None = None
+        self.started = time.monotonic()
+        self.times: dict[str, float] = {}
+
+    def say(self, text: str) -> None:
+        if self.log is not None:
+            print(f"{time.monotonic() - self.started:8.3f} {text}", file=self.log, flush=True)
+
+    def listen(self) -> None:
+        (self.work / SOCKET_NAME).unlink(missing_ok=True)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # CRIU connects to the name relative to its work directory; a socket's path is limited
+        # to 107 bytes, which a work directory deep in a state directory passes: bound through
+        # a descriptor of the directory instead.
+        dfd = os.open(self.work, os.O_PATH | os.O_DIRECTORY)
+        try:
+            s.bind(f"/proc/self/fd/{dfd}/{SOCKET_NAME}")
+        except OSError:
+            s.close()
+            raise
+        finally:
+            os.close(dfd)
+        s.listen(4)
+        self.listener = s
+
+    # -- the restore's connection ---------------------------------------------------------
+    def _recv_exact(self, conn: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            got = conn.recv(n - len(data))
+            if not got:
+                return data
+            data += got
+        return data
+
+    def receive(self, timeout: float) -> None:
+        """Take the restore's connection and its tasks, until it says it finished."""
+        assert self.listener is not None
+        self.listener.settimeout(timeout)
+        try:
+            conn, _ = self.listener.accept()
+        except TimeoutError:
+            raise LazyPagesError(f"no restore connected within {timeout:.0f} s") from None
+        finally:
+            self.listener.close()
+            (self.work / SOCKET_NAME).unlink(missing_ok=True)
+        conn.settimeout(None)
+        with conn:
+            while True:
+                raw = self._recv_exact(conn, 4)
+                if len(raw) < 4:
+                    raise LazyPagesError("the restore closed its connection before it finished (CRIU failed; see its log)")
+                (word,) = struct.unpack("<i", raw)
+                if word == RESTORE_FINISHED:
+                    break
+                if word < 0:
+                    self.say(f"zombie {-word}")
+                    continue
+                _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+                if len(fds) != 1:
+                    raise LazyPagesError(f"the restore sent process {word} without its userfaultfd")
+                try:
+                    os.set_blocking(fds[0], False)
+                    pending = task_pending(self.images, word, self.files)
+                except BaseException:
+                    os.close(fds[0])
+                    raise
+                self.add_task(Task(word, fds[0], pending))
+        self.times["restore_finished_s"] = round(time.monotonic() - self.started, 3)
+        self.say("restore finished")
+        with self.work_cv:
+            self.finished = True
+            self.work_cv.notify_all()
+
+    def add_task(self, task: Task) -> None:
+        self.say(f"process {task.pid}: {task.total} bytes lazy in {len(task.pending)} ranges")
+        with self.tasks_mu:
+            self.tasks.append(task)
+        with self.work_cv:
+            self.work_cv.notify_all()
+
+    # -- copying ---------------------------------------------------------------------------
+    def count(self, **kw: int) -> None:
+        with self.stats_mu:
+            for k, v in kw.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def copy_range(self, task: Task, iv: Interval, *, fault: bool) -> None:
+        """Copy ``iv`` (already taken out of ``task.pending``) under the task's shared lock."""
+        task.gate.acquire_shared()
+        try:
+            with task.mu:
+                task.inflight.append(iv)
+            dst, src, left = iv.start, iv.src, iv.end - iv.start
+            limit = left
+            back: Interval | None = None
+            while left > 0:
+                n = min(left, limit)
+                done, err = uffd_copy(task.uffd, dst, src, n)
+                if done:
+                    self.count(copied_bytes=done, copies=1, **({"fault_bytes": done} if fault else {}))
+                dst, src, left = dst + done, src + done, left - done
+                if not err:
+                    continue
+                if err == errno.EEXIST:  # that page is in already (a fault raced): skip it
+                    dst, src, left = dst + PAGE_SIZE, src + PAGE_SIZE, left - PAGE_SIZE
+                    continue
+                if err == errno.EAGAIN:  # an event waits to be read: retry after it
+                    back = Interval(dst, dst + left, src)
+                    break
+                if err in (errno.ESRCH, errno.ENOSPC):  # the process exited
+                    task.gone = True
+                    break
+                if err == errno.ENOENT:
+                    if not self.finished:  # not registered yet
+                        back = Interval(dst, dst + left, src)
+                        break
+                    # The range now spans two mappings (an mprotect split it; no event says so):
+                    # smaller copies, down to the page; a page in no registered mapping is dropped.
+                    if n > PAGE_SIZE:
+                        limit = max(PAGE_SIZE, (n // 2) & ~(PAGE_SIZE - 1))
+                        continue
+                    self.count(dropped_bytes=PAGE_SIZE)
+                    dst, src, left = dst + PAGE_SIZE, src + PAGE_SIZE, left - PAGE_SIZE
+                    continue
+                raise LazyPagesError(f"UFFDIO_COPY into process {task.pid} at {dst:#x} failed: {os.strerror(err)}")
+            with task.mu:
+                task.inflight.remove(iv)
+                if back is not None and not task.gone:
+                    task.pending.put(back)
+        finally:
+            task.gate.release_shared()
+        if back is not None:
+            time.sleep(0.0005)
+        with self.work_cv:
+            self.work_cv.notify_all()
+
+    def pick(self) -> tuple[Task, Interval] | None:
+        with self.tasks_mu:
+            tasks = list(self.tasks)
+        for task in tasks:
+            with task.mu:
+                if task.gone or not task.pending.items:
+                    continue
+                iv = task.pending.next_chunk(task.cursor, CHUNK)
+                if iv is None:
+                    continue
+                task.cursor = iv.end
+                return task, iv
+        return None
+
+    def all_done(self) -> bool:
+        with self.tasks_mu:
+            tasks = list(self.tasks)
+        return self.finished and all(t.done() for t in tasks)
+
+    def worker(self) -> None:
+        try:
+            while self.failure is None:
+                with self.work_cv:
+                    while self.failure is None and not self.finished:
+                        self.work_cv.wait(0.05)
+                got = self.pick()
+                if got is None:
+                    if self.all_done():
+                        with self.work_cv:
+                            self.work_cv.notify_all()
+                        return
+                    with self.work_cv:
+                        self.work_cv.wait(0.01)
+                    continue
+                self.copy_range(*got, fault=False)
+        except BaseException as exc:  # noqa: BLE001 - reported by run()
+            self.fail(f"{exc}")
+
+    def fail(self, text: str) -> None:
+        with self.work_cv:
+            if self.failure is None:
+                self.failure = text
+            self.work_cv.notify_all()
+
+    # -- events ----------------------------------------------------------------------------
+    def read_events(self, task: Task) -> list[bytes]:
+        """The task's pending messages, read while none of its copies is in flight."""
+        task.gate.acquire_exclusive()
+        try:
+            msgs: list[bytes] = []
+            while True:
+                try:
+                    data = os.read(task.uffd, MSG_SIZE * 64)
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    if exc.errno == errno.EBADF:
+                        break
+                    raise
+                if not data:
+                    break
+                msgs.extend(data[i:i + MSG_SIZE] for i in range(0, len(data), MSG_SIZE))
+            for m in msgs:
+                self.apply(task, m)
+            return msgs
+        finally:
+            task.gate.release_exclusive()
+
+    def apply(self, task: Task, msg: bytes) -> None:
+        """Events that change the memory, applied under the task's exclusive lock; faults are
+        answered after it is released (by answer_fault)."""
+        event = msg[0]
+        name = {EVENT_PAGEFAULT: "fault", EVENT_FORK: "fork", EVENT_REMAP: "remap", EVENT_REMOVE: "remove", EVENT_UNMAP: "unmap"}.get(event, hex(event))
+        with self.stats_mu:
+            self.stats.events[name] = self.stats.events.get(name, 0) + 1
+        if event in (EVENT_REMOVE, EVENT_UNMAP):
+            start, end = struct.unpack_from("<QQ", msg, 8)
+            with task.mu:
+                dropped = sum(iv.end - iv.start for iv in task.pending.take(start, end))
+            self.count(dropped_bytes=dropped)
+            if event == EVENT_REMOVE:
+                # Faults in the dropped range are the kernel's again (zero pages), as without us.
+                err = uffd_range(task.uffd, UFFDIO_UNREGISTER, start, end - start)
+                if err == errno.ENOMEM:
+                    task.gone = True
+                elif err:
+                    raise LazyPagesError(f"UFFDIO_UNREGISTER in process {task.pid} failed: {os.strerror(err)}")
+        elif event == EVENT_REMAP:
+            frm, to, length = struct.unpack_from("<QQQ", msg, 8)
+            with task.mu:
+                task.pending.move(frm, to, length)
+        elif event == EVENT_FORK:
+            (ufd,) = struct.unpack_from("<I", msg, 8)
+            os.set_blocking(ufd, False)
+            with task.mu:
+                child = Task(task.pid, ufd, task.pending.copy())
+            self.add_task(child)
+        elif event != EVENT_PAGEFAULT:
+            raise LazyPagesError(f"unexpected userfaultfd event {event:#x} from process {task.pid}")
+
+    def answer_fault(self, task: Task, msg: bytes) -> None:
+        (addr,) = struct.unpack_from("<Q", msg, 16)
+        page = addr & ~(PAGE_SIZE - 1)
+        self.count(faults=1)
+        with task.mu:
+            if task.in_flight(page):
+                return  # the copy in flight wakes it
+            holder = task.pending.find(page)
+            if holder is not None:
+                iv = task.pending.take(page, min(holder.end, page + FAULT_CHUNK))[0]
+                task.cursor = iv.end  # the background goes on from there: readers go in order
+            else:
+                iv = None
+        if iv is not None:
+            self.copy_range(task, iv, fault=True)
+            return
+        # Not in the images: a page never written before the dump (or one a copy just filled).
+        err = uffd_zeropage(task.uffd, page, PAGE_SIZE)
+        if err == errno.EEXIST:
+            uffd_range(task.uffd, UFFDIO_WAKE, page, PAGE_SIZE)
+        elif err in (errno.ESRCH, errno.ENOSPC, errno.ENOENT, errno.EAGAIN):
+            if err == errno.EAGAIN:
+                return  # an event is first; the fault comes again
+            task.gone = err != errno.ENOENT
+        elif err:
+            raise LazyPagesError(f"UFFDIO_ZEROPAGE in process {task.pid} at {page:#x} failed: {os.strerror(err)}")
+        else:
+            self.count(zero_pages=1)
+
+    def event_loop(self) -> None:
+        poller = select.poll()
+        polled: dict[int, Task] = {}
+        try:
+            while self.failure is None:
+                with self.tasks_mu:
+                    tasks = [t for t in self.tasks if not t.gone]
+                for t in tasks:
+                    if t.uffd not in polled:
+                        poller.register(t.uffd, select.POLLIN)
+                        polled[t.uffd] = t
+                if self.all_done():
+                    return
+                for fd, _ in poller.poll(20):
+                    task = polled[fd]
+                    for m in self.read_events(task):
+                        if m[0] == EVENT_PAGEFAULT:
+                            self.answer_fault(task, m)
+        except BaseException as exc:  # noqa: BLE001 - reported by run()
+            self.fail(f"{exc}")
+
+    def run(self, accept_timeout: float = 600.0) -> dict[str, Any]:
+        """Serve until every task is filled; a summary for the caller. Raises LazyPagesError."""
+        pool = [threading.Thread(target=self.worker, name=f"gpusnap-lazy-{i}", daemon=True) for i in range(self.threads)]
+        events = threading.Thread(target=self.event_loop, name="gpusnap-lazy-events", daemon=True)
+        events.start()
+        for t in pool:
+            t.start()
+        try:
+            self.receive(accept_timeout)
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(str(exc))
+        for t in pool:
+            t.join()
+        events.join()
+        self.times["done_s"] = round(time.monotonic() - self.started, 3)
+        with self.tasks_mu:
+            tasks = list(self.tasks)
+        for t in tasks:
+            try:
+                os.close(t.uffd)  # only now: a closed descriptor would let the kernel zero-fill
+            except OSError:
+                pass
+        self.files.close()
+        if self.failure is not None:
+            raise LazyPagesError(self.failure)
+        return {"tasks": len(tasks), "lazy_bytes": sum(t.total for t in tasks), **self.stats.to_dict(), **self.times,
+                "copy_gbps": round(self.stats.copied_bytes / 1e9 / max(1e-6, self.times["done_s"] - self.times["restore_finished_s"]), 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gpusnap.criu.lazy_pages IMAGES WORK``: listen on WORK/lazy-pages.socket, print
+    "ready" on stdout, serve one restore, print its summary as one line of JSON; exit 1 on error."""
+    p = argparse.ArgumentParser(prog="gpusnap.criu.lazy_pages")
+    p.add_argument("images", type=Path)
+    p.add_argument("work", type=Path)
+    p.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument("--accept-timeout", type=float, default=600.0)
+    p.add_argument("--log", type=Path)
+    a = p.parse_args(argv)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the terminal of the gpusnap that started it may go
+    log = open(a.log, "a") if a.log else None  # noqa: SIM115 - open for the server's life
+    server = Server(a.images, a.work, threads=a.threads, log=log)
+    try:
+        server.listen()
+    except OSError as exc:
+        print(json.dumps({"error": f"cannot listen on {a.work / SOCKET_NAME}: {exc}"}), flush=True)
+        return 1
+    sys.stdout.buffer.write(READY)
+    sys.stdout.flush()
+    try:
+        summary = server.run(a.accept_timeout)
+    except LazyPagesError as exc:
+        server.say(f"failed: {exc}")
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 1
+    server.say(f"done: {summary}")
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+
+class ServerProcess:
+    """The server as a process of its own session (see the module's docstring for why)."""
+
+    def __init__(self, proc: Any, started: float) -> None:
+        self.proc = proc
+        self.started = started
+
+    @classmethod
+    def spawn(cls, images: Path, work: Path, *, log: Path | None = None, threads: int | None = None, ready_timeout: float = 30.0) -> "ServerProcess":
+        """Start it and wait until it listens; LazyPagesError if it does not."""
+        import subprocess
+
+        argv = [sys.executable, "-m", "gpusnap.criu.lazy_pages", str(images), str(work)]
+        if log is not None:
+            argv += ["--log", str(log)]
+        if threads:
+            argv += ["--threads", str(threads)]
+        started = time.monotonic()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        me = cls(proc, started)
+        ready, _, _ = select.select([proc.stdout], [], [], ready_timeout)
+        line = proc.stdout.readline() if ready else b""
+        if line != READY:
+            me.kill()
+            raise LazyPagesError(f"the lazy-pages server did not start: {me._reason(line)}")
+        return me
+
+    def _reason(self, line: bytes) -> str:
+        try:
+            return str(json.loads(line)["error"])
+        except (ValueError, KeyError, TypeError):
+            err = (self.proc.stderr.read() if self.proc.poll() is not None else b"").decode(errors="replace").strip()
+            return err.splitlines()[-1] if err else f"exit status {self.proc.poll()}"
+
+    def wait(self, timeout: float) -> dict[str, Any]:
+        """Until every page is in: its summary; LazyPagesError if it failed or ran past ``timeout``."""
+        import subprocess
+
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise LazyPagesError(f"the lazy-pages server did not fill the memory within {timeout:.0f} s") from None
+        line = out.strip().splitlines()[-1] if out.strip() else b""
+        try:
+            summary = json.loads(line)
+        except ValueError:
+            summary = {"error": (err.decode(errors="replace").strip().splitlines() or [f"exit status {self.proc.returncode}"])[-1]}
+        if self.proc.returncode or "error" in summary:
+            raise LazyPagesError(f"the lazy-pages server failed: {summary.get('error', self.proc.returncode)}")
+        summary["server_s"] = round(time.monotonic() - self.started, 3)
+        return summary
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.communicate(timeout=10)
+        except Exception:  # noqa: BLE001 - best effort: it was killed
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""``gpusnap restore --lazy-pages``: CRIU (through runc and gpusnap-runtime) lets the restored
+processes go with their private memory missing, and gpusnap's page server
+(gpusnap.criu.lazy_pages) fills it. Two processes (a fork) holding 96 MiB they change and hash
+every step, and memory that existed at the checkpoint freed while the server may still be
+filling it: the restored container must print, step for step, what the container it was
+checkpointed from prints (left running), and the server must be gone once the restore returns."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from .conftest import Gs, unique
+
+pytestmark = pytest.mark.integration
+
+PYTHON = "/usr/bin/python3"
+WORKLOAD = r"""
+import hashlib, os, random, time
+N = 96 << 20
+keep = bytearray(random.Random(1).randbytes(N))
+spare = [bytearray(random.Random(2 + k).randbytes(8 << 20)) for k in range(4)]
+role = "child" if os.fork() == 0 else "parent"
+if role == "child":
+    keep[:4096] = b"c" * 4096
+step = 0
+while True:
+    i = (step * 7919 * 4096) % N
+    keep[i:i + 4096] = hashlib.sha256(keep[i:i + 4096]).digest() * 128
+    if spare and step % 2:
+        spare.pop()  # munmap of memory the checkpoint holds: the server must not bring it back
+    print(f"{role} {step} {hashlib.sha256(keep).hexdigest()[:16]} {sum(len(s) for s in spare)}", flush=True)
+    step += 1
+    time.sleep(0.2)
+"""
+
+
+def lines(text: str) -> dict[tuple[str, int], str]:
+    out = {}
+    for ln in text.splitlines():
+        p = ln.split()
+        if len(p) == 4 and p[0] in ("parent", "child") and p[1].isdigit():
+            out[(p[0], int(p[1]))] = f"{p[2]} {p[3]}"
+    return out
+
+
+def wait_lines(gs: Gs, name: str, pred, timeout: float = 90) -> dict[tuple[str, int], str]:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        got = lines(gs("logs", name).stdout)
+        if pred(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.3)
+
+
+def servers() -> list[str]:
+    p = subprocess.run(["pgrep", "-af", "gpusnap.criu.lazy_pages"], capture_output=True, text=True)
+    return [ln for ln in p.stdout.splitlines() if "pgrep" not in ln]
+
+
+@pytest.fixture
+def lazy_gs(gs: Gs) -> Iterator[Gs]:
+    yield gs
+    containers = gs.root / "run" / "engine" / "containers"
+    if containers.is_dir():
+        for d in containers.iterdir():
+            gs("delete", d.name, check=False)
+
+
+def test_lazy_restore_continues_bit_for_bit(lazy_gs: Gs) -> None:
+    gs = lazy_gs
+    name = unique("lazy")
+    gs("run", name, "--rootfs-overlay", "/", "--", PYTHON, "-c", WORKLOAD)
+    wait_lines(gs, name, lambda g: {("parent", 2), ("child", 2)} <= set(g))
+    ref = json.loads(gs("checkpoint", name, "--leave-running", "--json").stdout)["ref"]
+    out = gs("restore", ref, "--name", name + "-r", "--lazy-pages", "--json")
+    timings = json.loads(out.stdout)["timings_s"]
+    assert {"restore: start the lazy-pages server", "restore: fill the memory (lazy pages)", "restore: lazy pages: copy_gbps"} <= set(timings), timings
+    assert servers() == [], "the page server ends before the restore returns"
+    after = wait_lines(gs, name + "-r", lambda g: sum(1 for k in g if k[0] == "parent") >= 6 and sum(1 for k in g if k[0] == "child") >= 6)
+    first = min(k[1] for k in after if k[0] == "parent")
+    original = wait_lines(gs, name, lambda g: all(k in g for k in after))
+    assert len(after) >= 12 and all(original.get(k) == v for k, v in after.items()), (sorted(after.items())[:6], first)
+    log = (gs.root / "run" / "engine" / "containers" / (name + "-r") / "lazy-pages.log").read_text()
+    assert "restore finished" in log and "done:" in log, log[-2000:]
+    # Two processes, each with its own userfaultfd and lazy memory.
+    assert log.count("bytes lazy in") == 2, log[-2000:]
+
+
+def test_lazy_pages_through_another_engine_is_refused(gs: Gs) -> None:
+    p = gs("restore", "nothing.example/none:v1", "--engine", "podman", "--lazy-pages", check=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
