@@ -818,8 +818,9 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         say(f"{w.name}: restore (registry) to first step {r['restore_registry_s']:.2f} s (command {c4.seconds:.2f} s) "
             f"{r['restore_registry_timings_s']}; step {nxt[0]}; {same} steps equal to other runs', {differ} differ")
         measure([*env.gpusnap, "delete", name], env=e_c).check()
-        if env.args.ab_criu_before_pages:
-            r["restore_registry_ab"] = ab_criu_before_pages(env, name, last_remote, values, after_timeout(r), 30 + 5 * gb(r["image_bytes"]))
+        for knob in AB_KNOBS:
+            if getattr(env.args, f"ab_{knob}"):
+                r[f"restore_registry_ab_{knob}"] = ab_restores(env, name, last_remote, values, after_timeout(r), 30 + 5 * gb(r["image_bytes"]), knob)
     except Exception as exc:  # record, clean up, go on with the next workload
         r["error"] = f"{type(exc).__name__}: {exc}"
         say(f"{w.name}: FAILED: {r['error']}")
@@ -844,28 +845,34 @@ def profiler(env: Env, what: str) -> list[str]:
             "--format", "chrometrace", "-o", str(env.args.out / f"{what}.chrometrace.json"), "--"]
 
 
-def ab_criu_before_pages(env: Env, name: str, remote: str, values: "Values", timeout: float, cost: float) -> list[dict[str, Any]]:
-    """Restores from the registry (each into an empty store) with CRIU started before the pages
-    are whole (GPUSNAP_CRIU_BEFORE_PAGES=1) and without it, in turn, after the measured one
-    above (which ran with the default): an A/B of the hold on this host."""
+AB_KNOBS = {
+    # option key -> (environment variable, values in turn, label in the table)
+    "criu_before_pages": ("GPUSNAP_CRIU_BEFORE_PAGES", ("1", "0", "1"), ("CRIU started before the pages", "CRIU after the pages")),
+    "lazy_pages": ("GPUSNAP_LAZY_PAGES", ("1", "0", "1", "0"), ("lazy pages (gpusnap's page server)", "eager pages (CRIU copies them)")),
+}
+
+
+def ab_restores(env: Env, name: str, remote: str, values: "Values", timeout: float, cost: float, knob: str) -> list[dict[str, Any]]:
+    """Restores from the registry (each into an empty store) with the setting ``knob`` on and
+    off in turn (AB_KNOBS), after the measured one above (which ran with the default): an A/B of
+    that setting on this host."""
+    var, order, _ = AB_KNOBS[knob]
     rounds: list[dict[str, Any]] = []
-    for i, hold in enumerate(("1", "0", "1")):
+    for i, on in enumerate(order):
         if env.left() < cost:
             break
-        store = env.work / f"store-ab-{i}"
-        e = {**env.cli_env(store), "GPUSNAP_CRIU_BEFORE_PAGES": hold}
+        store = env.work / f"store-ab-{knob}-{i}"
+        e = {**env.cli_env(store), var: on}
         c = measure([*env.gpusnap, "restore", remote, "--insecure", "--json"], env=e)
         c.check()
         nxt = first_step_after(env, name, store, c.start, timeout)
         time.sleep(1)
         same, differ = values.compare([s for s in last_steps(env, name, store) if s[2] > c.start])
         t = c.json().get("timings_s", {})
-        rounds.append({"criu_before_pages": hold == "1", "first_step_s": nxt[2] - c.start, "cmd_s": c.seconds, "timings_s": t,
-                       "same": same, "differ": differ})
-        say(f"A/B restore (registry), criu_before_pages={hold}: first step {nxt[2] - c.start:.2f} s (command {c.seconds:.2f} s); "
-            f"runc restore {t.get('restore: runtime: runc restore')}; waited {t.get('restore: runtime: wait for the root filesystem and images')}; "
-            f"pages whole after runc started {t.get('restore: runtime: pages whole, after runc was let go')}; "
-            f"CRIU waited {t.get('restore: runtime: CRIU waited for the pages')}; {same} steps equal, {differ} differ")
+        rounds.append({knob: on == "1", "first_step_s": nxt[2] - c.start, "cmd_s": c.seconds, "timings_s": t, "same": same, "differ": differ})
+        detail = {k: v for k, v in t.items() if "runc restore" in k or "lazy" in k or "CRIU waited" in k or k == "restore: runtime: total"}
+        say(f"A/B restore (registry), {knob}={on}: first step {nxt[2] - c.start:.2f} s (command {c.seconds:.2f} s); {detail}; "
+            f"{same} steps equal, {differ} differ")
         measure([*env.gpusnap, "delete", name], env=e).check()
         shutil.rmtree(store, ignore_errors=True)
     return rounds
@@ -1001,13 +1008,16 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 if pull > 0:
                     row(f"  of which pull, command minus its restore step (~{gb(got):.2f} GB fetched)", pull,
                         f"{gb(got) / pull / http_down:.2f}x HTTP download floor" if http_down else "", rate_bytes=got)
-        ab = w.get("restore_registry_ab") or []
-        for hold in (True, False):
-            secs = [x["first_step_s"] for x in ab if x["criu_before_pages"] == hold]
-            if secs:
-                med = statistics.median(secs)
-                row(f"A/B: restore from the registry, CRIU {'started before' if hold else 'after'} the pages ({len(secs)} rounds, median)", med,
-                    f"{med / bare_rs:.2f}x by hand" if bare_rs else "")
+        for knob, (_, _, labels) in AB_KNOBS.items():
+            ab = w.get(f"restore_registry_ab_{knob}") or (w.get("restore_registry_ab") or [] if knob == "criu_before_pages" else [])
+            for on, label in zip((True, False), labels):
+                secs = [x["first_step_s"] for x in ab if x.get(knob) == on]
+                if secs:
+                    med = statistics.median(secs)
+                    extra = f"{med / bare_rs:.2f}x by hand" if bare_rs else ""
+                    if cs_all := w.get("cold_start_s"):
+                        extra += f"; cold start / this = {cs_all / med:.1f}x"
+                    row(f"A/B: restore from the registry, {label} ({len(secs)} rounds, median)", med, extra)
         cs = w.get("cold_start_s")
         if cs:
             for label, val in (("local store", rl), ("registry", rr)):
@@ -1075,6 +1085,8 @@ def main() -> int:
     ap.add_argument("--floor-gib", type=float, default=0, help="bytes for each floor (default 1 GiB CPU, 4 GiB GPU)")
     ap.add_argument("--ab-criu-before-pages", action="store_true",
                     help="after the restore from the registry, three more: CRIU started before the pages are whole (GPUSNAP_CRIU_BEFORE_PAGES=1), not, and again")
+    ap.add_argument("--ab-lazy-pages", action="store_true",
+                   help="after the restore from the registry, four more: lazy pages served by gpusnap (GPUSNAP_LAZY_PAGES=1), eager, lazy, eager")
     ap.add_argument("--py-spy", help="py-spy binary: record both restores' CLI timelines (a diagnosis: they run slower so)")
     ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources the gpusnap command runs, and exit")
     ap.add_argument("--report", type=Path, help="print the tables of a saved e2e.json again and exit")

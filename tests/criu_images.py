@@ -3,7 +3,7 @@ without running CRIU: its image framing (two magics, then length-prefixed protob
 the few protobuf wire-format pieces the pagemap, pstree, core, mm and files images use.
 
 One home for what tests/unit/packaging and bench/{store_scale,restore_path}.py write; the
-product only reads these images (gpusnap.packaging.pagemap, .pstree, .ckdiff).
+product only reads these images (gpusnap.criu.pagemap, .pstree, .ckdiff).
 """
 
 from __future__ import annotations

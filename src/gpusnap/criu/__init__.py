@@ -1,1 +1,2 @@
-"""CRIU: locating CRIU >= 4.0 (:mod:`.locate`) and per-container config files (:mod:`.config`)."""
+"""CRIU: locating CRIU >= 4.0 (:mod:`.locate`), per-container config files (:mod:`.config`), reading its
+image files (:mod:`.images`, :mod:`.pagemap`) and serving its lazy restore (:mod:`.lazy_pages`)."""

@@ -60,8 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.packaging.pagemap import PAGE_SIZE, PagemapReader
-from gpusnap.packaging.pstree import ImageFormatError, decode_message, read_entries
+from gpusnap.criu.pagemap import PAGE_SIZE, PagemapReader
+from gpusnap.criu.images import ImageFormatError, decode_message, read_entries
 
 SOCKET_NAME = "lazy-pages.socket"
 RESTORE_FINISHED = 0x52535446

@@ -36,9 +36,10 @@ import zstandard
 
 from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, UsageError
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata
-from gpusnap.packaging import chunker, pstree
+from gpusnap.criu import images as pstree
+from gpusnap.packaging import chunker
 from gpusnap.packaging import layout as lay
-from gpusnap.packaging.pagemap import PAGEMAP_NAME, ranges_of
+from gpusnap.criu.pagemap import PAGEMAP_NAME, ranges_of
 from gpusnap.packaging.safetar import LinkTracker, check_member
 from gpusnap.packaging.store import MEDIA_OCI_MANIFEST, BlobWriter, Descriptor, OciStore, sha256_digest
 

@@ -21,9 +21,9 @@ temporary directory first). B is compared against A, as a second checkpoint agai
   every differing non-page file), fixed-size pieces of the pages stream at several sizes
   (what any chunking that ignores CRIU's structure at best achieves), and the whole pages files.
 
-Why the image files are parsed here: see gpusnap.packaging.pstree (no CRIU reader is
+Why the image files are parsed here: see gpusnap.criu.images (no CRIU reader is
 installable; the images are length-prefixed protobuf messages); the pagemaps through
-gpusnap.packaging.pagemap. Fields used here, from CRIU's images/*.proto: mm_entry.vmas=14;
+gpusnap.criu.pagemap. Fields used here, from CRIU's images/*.proto: mm_entry.vmas=14;
 vma_entry start=1 end=2 pgoff=3 shmid=4 prot=5 flags=6 status=7; file_entry type=1 id=2 reg=3;
 reg_file_entry name=6.
 """
@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.packaging.pagemap import parse_pagemap
-from gpusnap.packaging.pstree import IMG_COMMON_MAGIC, ImageFormatError, decode_message, read_entries
+from gpusnap.criu.pagemap import parse_pagemap
+from gpusnap.criu.images import IMG_COMMON_MAGIC, ImageFormatError, decode_message, read_entries
 
 PAGE = 4096
 MM_MAGIC = 0x57492820
@@ -157,7 +157,7 @@ def _image(path: Path, magic: int) -> list[dict[int, list[Any]]]:
 
 def read_pagemaps(images: Path) -> list[PageMap]:
     """Every pagemap*.img of ``images`` with the ranges its pages file holds, in file order
-    (read by gpusnap.packaging.pagemap, which the chunker uses too)."""
+    (read by gpusnap.criu.pagemap, which the chunker uses too)."""
     out = []
     for path in sorted(images.glob("pagemap-*.img")):
         pages_id, ranges = parse_pagemap(path.read_bytes())

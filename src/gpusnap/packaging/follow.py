@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.packaging.pagemap import PAGE_SIZE, PAGEMAP_NAME, PageRange, PagemapReader, merge_contiguous
-from gpusnap.packaging.pstree import ImageFormatError
+from gpusnap.criu.pagemap import PAGE_SIZE, PAGEMAP_NAME, PageRange, PagemapReader, merge_contiguous
+from gpusnap.criu.images import ImageFormatError
 from gpusnap.packaging.store import OciStore
 
 # numpy and the pack writer are imported where they are first used, on the follower's thread:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpusnap.criu import lazy_pages as lp
-from gpusnap.packaging.pagemap import PE_LAZY, PE_PRESENT
+from gpusnap.criu.pagemap import PE_LAZY, PE_PRESENT
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: criu_images
 from criu_images import mm, pagemap  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 
 from gpusnap.packaging import ckdiff
 from gpusnap.packaging.ckdiff import FILES_MAGIC, MM_MAGIC, PAGE
-from gpusnap.packaging.pagemap import PAGEMAP_MAGIC, PE_LAZY, PE_PARENT, PE_PRESENT
+from gpusnap.criu.pagemap import PAGEMAP_MAGIC, PE_LAZY, PE_PARENT, PE_PRESENT
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: criu_images
 from criu_images import field_bytes as _b  # noqa: E402

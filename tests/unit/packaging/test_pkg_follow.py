@@ -22,7 +22,7 @@ import pytest
 from gpusnap.packaging import api
 from gpusnap.packaging import pack as packing
 from gpusnap.packaging.follow import PROVISIONAL, DumpFollower
-from gpusnap.packaging.pagemap import PAGE_SIZE, PagemapReader, parse_pagemap
+from gpusnap.criu.pagemap import PAGE_SIZE, PagemapReader, parse_pagemap
 from gpusnap.packaging.store import OciStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: criu_images

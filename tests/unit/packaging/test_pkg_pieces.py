@@ -18,7 +18,7 @@ from gpusnap.packaging import api
 from gpusnap.packaging import artifact as fmt
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging.pack import PAGE, PackParams, PageCutter, page_features
-from gpusnap.packaging.pagemap import PE_LAZY, PE_PARENT, PE_PRESENT, boundaries, merge_contiguous, parse_pagemap
+from gpusnap.criu.pagemap import PE_LAZY, PE_PARENT, PE_PRESENT, boundaries, merge_contiguous, parse_pagemap
 from gpusnap.packaging.store import OciStore
 
 DATA = Path(__file__).parent / "data"
@@ -103,7 +103,7 @@ def test_pagemap_of_criu_4_2_reads_the_64_bit_page_count() -> None:
 
 def test_aligned_pieces_end_at_address_multiples_whatever_the_window() -> None:
     from gpusnap.packaging.pack import AlignedCutter
-    from gpusnap.packaging.pagemap import PageRange
+    from gpusnap.criu.pagemap import PageRange
 
     p = PackParams()
     ranges = [PageRange(0x10003000, 0, 100), PageRange(0x20000000, 100 * PAGE, 70), PageRange(0x30001000, 170 * PAGE, 40)]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.packaging.pstree import CORE_MAGIC, PSTREE_MAGIC, ImageFormatError, process_tree
+from gpusnap.criu.images import CORE_MAGIC, PSTREE_MAGIC, ImageFormatError, process_tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: criu_images
 from criu_images import field_bytes as _field_bytes  # noqa: E402

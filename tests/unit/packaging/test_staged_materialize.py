@@ -16,7 +16,7 @@ from gpusnap.packaging import api
 from gpusnap.packaging import artifact as fmt
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging.pack import PAGE
-from gpusnap.packaging.pagemap import PE_PRESENT
+from gpusnap.criu.pagemap import PE_PRESENT
 from gpusnap.packaging.store import OciStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: criu_images

@@ -10,7 +10,7 @@ Wire format (criu/images/pagemap.proto): pagemap_head {pages_id = 1}, then pagem
 {vaddr = 1 (uint64), nr_pages = 2, in_parent = 3 (bool, images before flags existed),
 flags = 4, and since CRIU 4.2 the page count as uint64 in field 5 (field 2 then holds 0)}. Flags (criu/include/pagemap.h): PE_PARENT 1, PE_LAZY 2, PE_PRESENT 4; pages are in
 the file iff PE_PRESENT. An entry without flags is present unless in_parent. Read with the small
-protobuf reader in :mod:`gpusnap.packaging.pstree` (why hand-written: see there).
+protobuf reader in :mod:`gpusnap.criu.images` (why hand-written: see there).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from gpusnap.packaging.pstree import ImageFormatError, decode_message, read_entries
+from gpusnap.criu.images import ImageFormatError, decode_message, read_entries
 
 PAGEMAP_MAGIC = 0x56084025
 PE_PARENT = 1
