@@ -765,7 +765,9 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         values.compare(last_steps(env, name, store_b))
         measure([*env.gpusnap, "delete", name], env=e_b).check()
 
-        if w.diff and j1.get("ref") and j2.get("ref"):
+        if env.args.skip_ckdiff:
+            r["skipped"].append("ckdiff (--skip-ckdiff)")
+        elif w.diff and j1.get("ref") and j2.get("ref"):
             if env.left() > 60 + 15 * gb(r["image_bytes"]):
                 say(f"{w.name}: ckdiff first vs second checkpoint")
                 d = measure([sys.executable, "-m", "gpusnap.packaging.ckdiff", "--store", str(store_b), "--tmp", str(work), "--top", "12",
@@ -864,6 +866,9 @@ def ab_restores(env: Env, name: str, remote: str, values: "Values", timeout: flo
         store = env.work / f"store-ab-{knob}-{i}"
         e = {**env.cli_env(store), var: on}
         c = measure([*env.gpusnap, "restore", remote, "--insecure", "--json"], env=e)
+        server_log = env.work / "run" / "engine" / "containers" / name / "lazy-pages.log"
+        if server_log.is_file():  # the page server's own account, kept whatever follows
+            shutil.copy(server_log, env.args.out / f"{name}-ab-{i}-lazy-pages.log")
         c.check()
         nxt = first_step_after(env, name, store, c.start, timeout)
         time.sleep(1)
@@ -1087,6 +1092,7 @@ def main() -> int:
                     help="after the restore from the registry, three more: CRIU started before the pages are whole (GPUSNAP_CRIU_BEFORE_PAGES=1), not, and again")
     ap.add_argument("--ab-lazy-pages", action="store_true",
                    help="after the restore from the registry, four more: lazy pages served by gpusnap (GPUSNAP_LAZY_PAGES=1), eager, lazy, eager")
+    ap.add_argument("--skip-ckdiff", action="store_true", help="no ckdiff between the two checkpoints (its diagnosis is in earlier runs; saves ~30 s on the GPU host)")
     ap.add_argument("--py-spy", help="py-spy binary: record both restores' CLI timelines (a diagnosis: they run slower so)")
     ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources the gpusnap command runs, and exit")
     ap.add_argument("--report", type=Path, help="print the tables of a saved e2e.json again and exit")

@@ -456,15 +456,34 @@ class Server:
             for k, v in kw.items():
                 setattr(self.stats, k, getattr(self.stats, k) + v)
 
-    def copy_range(self, task: Task, iv: Interval, *, fault: bool) -> None:
-        """Copy ``iv`` (already taken out of ``task.pending``) under the task's shared lock."""
-        task.gate.acquire_shared()
+    def copy_taken(self, task: Task, choose: Any, *, fault: bool, gate: bool = True) -> bool:
+        """Take a range out of ``task.pending`` with ``choose`` (called under ``task.mu``; None:
+        nothing to take) and copy it, all under the task's shared lock: taken and in flight are
+        one step, so a fault never finds its page in neither (it would get a zero page), and no
+        event is applied between the taking and the copy (it would not see the range).
+        ``gate``: False when the caller holds the shared lock already."""
+        if gate:
+            task.gate.acquire_shared()
         try:
             with task.mu:
+                iv = None if task.gone else choose()
+                if iv is None:
+                    return False
                 task.inflight.append(iv)
+            self._copy(task, iv, fault=fault)
+            return True
+        finally:
+            if gate:
+                task.gate.release_shared()
+            with self.work_cv:
+                self.work_cv.notify_all()
+
+    def _copy(self, task: Task, iv: Interval, *, fault: bool) -> None:
+        """The copy of an in-flight range (copy_taken); what could not be copied yet goes back."""
+        back: Interval | None = None
+        try:
             dst, src, left = iv.start, iv.src, iv.end - iv.start
             limit = left
-            back: Interval | None = None
             while left > 0:
                 n = min(left, limit)
                 done, err = uffd_copy(task.uffd, dst, src, n)
@@ -480,6 +499,7 @@ class Server:
                     back = Interval(dst, dst + left, src)
                     break
                 if err in (errno.ESRCH, errno.ENOSPC):  # the process exited
+                    self.say(f"process {task.pid}: copy at {dst:#x} (+{left}): {errno.errorcode.get(err)}: gone")
                     task.gone = True
                     break
                 if err == errno.ENOENT:
@@ -495,30 +515,29 @@ class Server:
                     dst, src, left = dst + PAGE_SIZE, src + PAGE_SIZE, left - PAGE_SIZE
                     continue
                 raise LazyPagesError(f"UFFDIO_COPY into process {task.pid} at {dst:#x} failed: {os.strerror(err)}")
+        finally:
             with task.mu:
                 task.inflight.remove(iv)
                 if back is not None and not task.gone:
                     task.pending.put(back)
-        finally:
-            task.gate.release_shared()
         if back is not None:
-            time.sleep(0.0005)
-        with self.work_cv:
-            self.work_cv.notify_all()
+            time.sleep(0.0005)  # an event is waiting: let the reader take the lock
 
-    def pick(self) -> tuple[Task, Interval] | None:
+    def copy_next(self) -> bool:
+        """One background copy, of the first task with something left; False: none has."""
         with self.tasks_mu:
             tasks = list(self.tasks)
         for task in tasks:
-            with task.mu:
-                if task.gone or not task.pending.items:
-                    continue
+
+            def choose(task: Task = task) -> Interval | None:
                 iv = task.pending.next_chunk(task.cursor, CHUNK)
-                if iv is None:
-                    continue
-                task.cursor = iv.end
-                return task, iv
-        return None
+                if iv is not None:
+                    task.cursor = iv.end
+                return iv
+
+            if self.copy_taken(task, choose, fault=False):
+                return True
+        return False
 
     def all_done(self) -> bool:
         with self.tasks_mu:
@@ -531,8 +550,7 @@ class Server:
                 with self.work_cv:
                     while self.failure is None and not self.finished:
                         self.work_cv.wait(0.05)
-                got = self.pick()
-                if got is None:
+                if not self.copy_next():
                     if self.all_done():
                         with self.work_cv:
                             self.work_cv.notify_all()
@@ -540,7 +558,6 @@ class Server:
                     with self.work_cv:
                         self.work_cv.wait(0.01)
                     continue
-                self.copy_range(*got, fault=False)
         except BaseException as exc:  # noqa: BLE001 - reported by run()
             self.fail(f"{exc}")
 
@@ -610,25 +627,34 @@ class Server:
         (addr,) = struct.unpack_from("<Q", msg, 16)
         page = addr & ~(PAGE_SIZE - 1)
         self.count(faults=1)
-        with task.mu:
+        state = {"wait": False}
+
+        def choose() -> Interval | None:
             if task.in_flight(page):
-                return  # the copy in flight wakes it
+                state["wait"] = True  # the copy in flight wakes it
+                return None
             holder = task.pending.find(page)
-            if holder is not None:
-                iv = task.pending.take(page, min(holder.end, page + FAULT_CHUNK))[0]
-                task.cursor = iv.end  # the background goes on from there: readers go in order
-            else:
-                iv = None
-        if iv is not None:
-            self.copy_range(task, iv, fault=True)
-            return
-        # Not in the images: a page never written before the dump (or one a copy just filled).
-        err = uffd_zeropage(task.uffd, page, PAGE_SIZE)
+            if holder is None:
+                return None
+            iv = task.pending.take(page, min(holder.end, page + FAULT_CHUNK))[0]
+            task.cursor = iv.end  # the background goes on from there: readers go in order
+            return iv
+
+        task.gate.acquire_shared()
+        try:
+            if self.copy_taken(task, choose, fault=True, gate=False) or state["wait"] or task.gone:
+                return
+            # In no lazy range, none in flight: a page never written before the dump (or one a
+            # copy filled since the fault). Under the shared lock, as copies are.
+            err = uffd_zeropage(task.uffd, page, PAGE_SIZE)
+        finally:
+            task.gate.release_shared()
         if err == errno.EEXIST:
             uffd_range(task.uffd, UFFDIO_WAKE, page, PAGE_SIZE)
         elif err in (errno.ESRCH, errno.ENOSPC, errno.ENOENT, errno.EAGAIN):
             if err == errno.EAGAIN:
                 return  # an event is first; the fault comes again
+            self.say(f"process {task.pid}: zero page at {page:#x}: {errno.errorcode.get(err)}")
             task.gone = err != errno.ENOENT
         elif err:
             raise LazyPagesError(f"UFFDIO_ZEROPAGE in process {task.pid} at {page:#x} failed: {os.strerror(err)}")
