@@ -82,8 +82,11 @@ class Settings:
     fetch_processes: int | None = None
     # Whether a runc-direct restore lets the process go before its memory is in, CRIU's lazy
     # pages filled by gpusnap's own page server (gpusnap.criu.lazy_pages) while the GPU's state
-    # is copied back; ``gpusnap restore --lazy-pages`` asks for it once.
-    lazy_pages: bool = False
+    # is copied back. None ("auto"): where the kernel's userfaultfd has what CRIU needs. The
+    # H100 host's registry restore of a 5.2 GB server: 3.75 s to the first token lazily, 6.30 s
+    # eagerly (bench/results/gpu-h100-lazy-pages-e2e-2026-11-27). ``gpusnap restore
+    # --lazy-pages/--eager-pages`` decides for one restore.
+    lazy_pages: bool | None = None
 
 
 _ENV = {
@@ -109,12 +112,14 @@ _FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"ro
 
 
 def _coerce(name: str, value: object, source: str) -> object:
+    if name == "lazy_pages" and str(value).strip().lower() == "auto":
+        return None
     if name in ("gpu_request_env", "store_while_dumping", "criu_before_pages", "lazy_pages"):
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()
         if text not in ("true", "false", "1", "0"):
-            raise UsageError(f"{source}: {name} must be true or false, got {value!r}")
+            raise UsageError(f"{source}: {name} must be true or false{' or auto' if name == 'lazy_pages' else ''}, got {value!r}")
         return text in ("true", "1")
     if name == "criu_options":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
         cri_socket: Annotated[str, SOCKET_OPT] = "/run/containerd/containerd.sock",
         runtime_handler: Annotated[str, typer.Option("--runtime-handler", help="--engine cri: the new pod's runtime handler (the RuntimeClass's).")] = "gpusnap",
         host_network: Annotated[bool, typer.Option("--host-network", help="--engine cri: the new pod uses the node's network (no CNI).")] = False,
-        lazy_pages: Annotated[Optional[bool], typer.Option("--lazy-pages/--eager-pages", help="runc-direct: let the process go before its memory is in, gpusnap's page server filling it (userfaultfd) while the GPU state is copied back; default: the lazy_pages setting (off).")] = None,
+        lazy_pages: Annotated[Optional[bool], typer.Option("--lazy-pages/--eager-pages", help="runc-direct: let the process go before its memory is in, gpusnap's page server filling it (userfaultfd) while the GPU state is copied back; --eager-pages: CRIU copies it all first. Default: the lazy_pages setting (auto: lazy where the kernel can).")] = None,
     ) -> None:
         """Pull if needed, check this host can take it, and restore through the engine.
 

@@ -653,12 +653,9 @@ def restore(
             raise UsageError(f"{eng.name} already has a container named {name}; pick another --name")
         progress(f"restoring through {eng.name}")
         clock.lap("prepare the engine")
-        lazy_capable = bool(getattr(type(eng), "LAZY_PAGES", False))
-        if lazy_pages and not lazy_capable:
-            raise UsageError(f"--lazy-pages works with the runc-direct engine only, and {source} restores through {eng.name}; drop --lazy-pages")
+        lazy = _lazy_pages(settings, eng, source, lazy_pages, progress)
         engine_steps: dict[str, float] = {}
-        opts = RestoreOptions(name=name, tcp_established=tcp_established, ip=ip, timings=engine_steps,
-                              lazy_pages=lazy_capable and (settings.lazy_pages if lazy_pages is None else lazy_pages))
+        opts = RestoreOptions(name=name, tcp_established=tcp_established, ip=ip, timings=engine_steps, lazy_pages=lazy)
         if images is not None:
             if getattr(type(eng), "OVERLAPS_IMAGES", False):
                 opts.images_ready = images.wait  # the engine prepares the container meanwhile
@@ -692,6 +689,29 @@ def restore(
         memory.close()
         workdirs.release(work)
         claimed.__exit__(None, None, None)
+
+
+def _lazy_pages(settings: Settings, eng: Engine, source: str, asked: bool | None, progress: Progress) -> bool:
+    """Whether this restore is lazy (RestoreOptions.lazy_pages): ``asked`` (the command line) or
+    the setting decides; "auto" (None in both) means wherever the engine and the kernel can."""
+    wanted = settings.lazy_pages if asked is None else asked
+    if wanted is False:
+        return False
+    capable = bool(getattr(type(eng), "LAZY_PAGES", False))
+    if not capable:
+        if wanted:
+            raise UsageError(f"lazy pages work with the runc-direct engine only, and {source} restores through {eng.name}; "
+                             "restore with --eager-pages (or set lazy_pages to auto)")
+        return False
+    from gpusnap.criu.lazy_pages import host_support
+
+    ok, why = host_support()
+    if not ok:
+        if wanted:
+            raise MissingDependencyError(f"lazy pages need the kernel's userfaultfd with its events, and here {why}; restore with --eager-pages")
+        progress(f"eager pages: {why}")
+        return False
+    return True
 
 
 WAIT_IMAGES = "wait for the checkpoint images"

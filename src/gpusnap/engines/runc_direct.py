@@ -581,7 +581,8 @@ class RuncDirectEngine(EngineBase):
             if proc.returncode != 0:
                 detail = _runtime_log_error(runtime_log) or _criu_log_tail(work)
                 err = RestoreError if restore_from is not None else GpusnapError
-                raise err(f"could not {what} {rec.name}: {detail}")
+                hint = "; if CRIU's lazy restore is the cause, restore with --eager-pages" if "server" in lazy else ""
+                raise err(f"could not {what} {rec.name}: {detail}{hint}")
             if "server" not in lazy:  # else the server's (removed once it is done)
                 shutil.rmtree(work, ignore_errors=True)
 

@@ -276,3 +276,44 @@ def test_faults_racing_the_background_copies_never_get_zero_pages(tmp_path: Path
     assert r.summary["zero_pages"] == 0 and r.summary["copied_bytes"] == npages * PAGE
     assert read_memory(r.addr, r.length) == r.data
     libc.munmap(r.addr, r.length)
+
+
+def test_the_setting_is_auto_unless_said() -> None:
+    from gpusnap.config import load_settings
+    from gpusnap.errors import UsageError
+
+    assert load_settings(env={}).lazy_pages is None
+    assert load_settings(env={"GPUSNAP_LAZY_PAGES": "auto"}).lazy_pages is None
+    assert load_settings(env={"GPUSNAP_LAZY_PAGES": "0"}).lazy_pages is False
+    assert load_settings(env={"GPUSNAP_LAZY_PAGES": "true"}).lazy_pages is True
+    with pytest.raises(UsageError, match="true or false or auto"):
+        load_settings(env={"GPUSNAP_LAZY_PAGES": "sometimes"})
+
+
+def test_host_support_names_what_is_missing() -> None:
+    assert lp.host_support("sparc64") == (False, "no userfaultfd system call known for sparc64")
+
+
+def test_who_decides_a_restore_is_lazy(tmp_path: Path) -> None:
+    from gpusnap.config import load_settings
+    from gpusnap.engines.orchestrate import _lazy_pages
+    from gpusnap.errors import UsageError
+
+    class Lazy:
+        name, LAZY_PAGES = "runc-direct", True
+
+    class Eager:
+        name = "podman"
+
+    said: list[str] = []
+    auto = load_settings(env={})
+    host_ok = lp.host_support()[0]
+    assert _lazy_pages(auto, Lazy(), "ref", None, said.append) is host_ok  # auto: where the kernel can
+    assert _lazy_pages(auto, Lazy(), "ref", False, said.append) is False  # --eager-pages
+    assert _lazy_pages(auto, Eager(), "ref", None, said.append) is False  # auto, an engine that cannot
+    with pytest.raises(UsageError, match="runc-direct engine only.*--eager-pages"):
+        _lazy_pages(auto, Eager(), "ref", True, said.append)  # asked for, where it cannot be
+    off = load_settings(env={"GPUSNAP_LAZY_PAGES": "false"})
+    assert _lazy_pages(off, Lazy(), "ref", None, said.append) is False
+    if host_ok:
+        assert _lazy_pages(off, Lazy(), "ref", True, said.append) is True  # the command line wins
