@@ -335,6 +335,15 @@ def lazy_ranges(pagemap_image: bytes, vmas: list[tuple[int, int]]) -> tuple[int,
     return reader.pages_id, out
 
 
+MADV_DONTNEED = 4
+
+
+def _libc() -> Any:
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return lib
+
+
 class PagesFiles:
     """The image directory's pages files, mapped once each, read-only to the server."""
 
@@ -342,6 +351,7 @@ class PagesFiles:
         self.images = images
         self._maps: dict[int, tuple[mmap.mmap, int, Any]] = {}
         self._lock = threading.Lock()
+        self._libc = _libc()
 
     def base(self, pages_id: int) -> tuple[int, int]:
         """(address, size) of pages-<pages_id>.img mapped in this process."""
@@ -360,6 +370,13 @@ class PagesFiles:
                         self._maps[pages_id] = (m, size, anchor)
             m, size, anchor = self._maps[pages_id]
             return (ctypes.addressof(anchor) if anchor is not None else 0), size
+
+    def release(self, src: int, length: int) -> None:
+        """Drop this process's view of pages already copied: they stay in the image directory's
+        files, but the server's resident size stays that of the copies in flight, whatever the
+        checkpoint's size."""
+        if length > 0:
+            self._libc.madvise(ctypes.c_void_p(src), ctypes.c_size_t(length), MADV_DONTNEED)
 
     def close(self) -> None:
         with self._lock:
@@ -520,6 +537,8 @@ class Server:
                 if done:
                     self.count(copied_bytes=done, copies=1, **({"fault_bytes": done} if fault else {}))
                 dst, src, left = dst + done, src + done, left - done
+                if done:
+                    self.files.release(src - done, done)
                 if not err:
                     continue
                 if err == errno.EEXIST:  # that page is in already (a fault raced): skip it

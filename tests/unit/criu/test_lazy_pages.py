@@ -317,3 +317,24 @@ def test_who_decides_a_restore_is_lazy(tmp_path: Path) -> None:
     assert _lazy_pages(off, Lazy(), "ref", None, said.append) is False
     if host_ok:
         assert _lazy_pages(off, Lazy(), "ref", True, said.append) is True  # the command line wins
+
+
+def _mapping_rss_kib(base: int) -> int:
+    smaps = Path("/proc/self/smaps").read_text().split("\n")
+    head = next(i for i, ln in enumerate(smaps) if ln.startswith(f"{base:x}-"))
+    return next(int(ln.split()[1]) for ln in smaps[head + 1:head + 30] if ln.startswith("Rss:"))
+
+
+def test_the_servers_view_of_copied_pages_is_dropped(tmp_path: Path) -> None:
+    """Its resident size stays that of the copies in flight: a copied range's view of the mapped
+    pages file is dropped (the file keeps the bytes, and a fork's second copy reads them again)."""
+    data = os.urandom(16 << 20)
+    (tmp_path / "pages-3.img").write_bytes(data)
+    files = lp.PagesFiles(tmp_path)
+    base, size = files.base(3)
+    assert size == len(data) and read_memory(base, size) == data
+    assert _mapping_rss_kib(base) >= 15 * 1024
+    files.release(base, 8 << 20)
+    assert _mapping_rss_kib(base) <= 8 * 1024 + 64
+    assert read_memory(base, size) == data
+    files.close()
