@@ -91,7 +91,22 @@ def check_kernel(settings: Settings) -> list[Check]:
     hybrid = (settings.host.sys / "fs/cgroup/unified").exists()
     mode = "cgroup v2" if cg2 else ("cgroup v1+v2 hybrid" if hybrid else "cgroup v1")
     out.append(Check("cgroups", OK, mode))
+    out.append(check_lazy_pages(settings))
     return out
+
+
+def check_lazy_pages(settings: Settings, support: Callable[[], tuple[bool, str]] | None = None) -> Check:
+    """Whether runc-direct restores can be lazy (docs/runtime.md, "Lazy pages")."""
+    if settings.lazy_pages is False:
+        return Check("lazy pages", OK, "off (lazy_pages = false): CRIU copies every page before a restored process goes on")
+    if support is None:
+        from gpusnap.criu.lazy_pages import host_support as support
+    ok, why = support()
+    if ok:
+        return Check("lazy pages", OK, "userfaultfd with the events CRIU needs: runc-direct restores fill memory while the process goes on")
+    if settings.lazy_pages:
+        return Check("lazy pages", FAIL, f"lazy_pages = true, but {why}", "set lazy_pages = auto (or false), or use a kernel with userfaultfd")
+    return Check("lazy pages", WARN, f"restores are eager here: {why}", "a kernel with userfaultfd (CONFIG_USERFAULTFD) makes restores faster")
 
 
 def check_runc(settings: Settings) -> list[Check]:

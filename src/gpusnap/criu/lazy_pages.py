@@ -452,13 +452,22 @@ class Server:
         return data
 
     def receive(self, timeout: float) -> None:
-        """Take the restore's connection and its tasks, until it says it finished."""
+        """Take the restore's connection and its tasks, until it says it finished. ``timeout``
+        (0: none) bounds the wait for the connection; so does the death of the process that
+        started the server (a restore waits for its images first, as long as a pull takes)."""
         assert self.listener is not None
-        self.listener.settimeout(timeout)
+        parent = os.getppid()
+        deadline = time.monotonic() + timeout if timeout else None
         try:
-            conn, _ = self.listener.accept()
-        except TimeoutError:
-            raise LazyPagesError(f"no restore connected within {timeout:.0f} s") from None
+            while True:
+                ready, _, _ = select.select([self.listener], [], [], 1.0)
+                if ready:
+                    conn, _ = self.listener.accept()
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise LazyPagesError(f"no restore connected within {timeout:g} s")
+                if os.getppid() != parent:
+                    raise LazyPagesError("the gpusnap restore that started this server is gone, and no restore connected")
         finally:
             self.listener.close()
             (self.work / SOCKET_NAME).unlink(missing_ok=True)
@@ -731,7 +740,7 @@ class Server:
         except BaseException as exc:  # noqa: BLE001 - reported by run()
             self.fail(f"{exc}")
 
-    def run(self, accept_timeout: float = 600.0) -> dict[str, Any]:
+    def run(self, accept_timeout: float = 0.0) -> dict[str, Any]:
         """Serve until every task is filled; a summary for the caller. Raises LazyPagesError."""
         pool = [threading.Thread(target=self.worker, name=f"gpusnap-lazy-{i}", daemon=True) for i in range(self.threads)]
         events = threading.Thread(target=self.event_loop, name="gpusnap-lazy-events", daemon=True)
@@ -767,8 +776,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("images", type=Path)
     p.add_argument("work", type=Path)
     p.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
-    p.add_argument("--accept-timeout", type=float, default=600.0)
+    p.add_argument("--accept-timeout", type=float, default=0.0, help="seconds to wait for the restore (0: as long as its starter lives)")
     p.add_argument("--log", type=Path)
+    p.add_argument("--done-marker", type=Path, help="removed once every page is in (the engine's sign of a complete restore)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the terminal of the gpusnap that started it may go
@@ -788,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1
     server.say(f"done: {summary}")
+    if a.done_marker is not None:
+        a.done_marker.unlink(missing_ok=True)
     print(json.dumps(summary), flush=True)
     return 0
 
@@ -801,18 +813,24 @@ class ServerProcess:
         self.started = started
 
     @classmethod
-    def spawn(cls, images: Path, work: Path, *, log: Path | None = None, threads: int | None = None, ready_timeout: float = 30.0) -> "ServerProcess":
-        """Start it and wait until it listens; LazyPagesError if it does not."""
+    def spawn(cls, images: Path, work: Path, *, log: Path | None = None, threads: int | None = None, ready_timeout: float = 30.0,
+              done_marker: Path | None = None) -> "ServerProcess":
+        """Start it and wait until it listens; LazyPagesError if it does not. ``done_marker``:
+        written now with the server's pid, removed by the server once every page is in."""
         import subprocess
 
         argv = [sys.executable, "-m", "gpusnap.criu.lazy_pages", str(images), str(work)]
         if log is not None:
             argv += ["--log", str(log)]
+        if done_marker is not None:
+            argv += ["--done-marker", str(done_marker)]
         if threads:
             argv += ["--threads", str(threads)]
         started = time.monotonic()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
         me = cls(proc, started)
+        if done_marker is not None:
+            done_marker.write_text(f"{proc.pid}\n")
         ready, _, _ = select.select([proc.stdout], [], [], ready_timeout)
         line = proc.stdout.readline() if ready else b""
         if line != READY:
@@ -840,9 +858,12 @@ class ServerProcess:
         try:
             summary = json.loads(line)
         except ValueError:
-            summary = {"error": (err.decode(errors="replace").strip().splitlines() or [f"exit status {self.proc.returncode}"])[-1]}
+            lines = err.decode(errors="replace").strip().splitlines()
+            summary = {"error": lines[-1]} if lines else {}
         if self.proc.returncode or "error" in summary:
-            raise LazyPagesError(f"the lazy-pages server failed: {summary.get('error', self.proc.returncode)}")
+            rc = self.proc.returncode
+            why = summary.get("error") or (f"killed by signal {-rc}" if rc and rc < 0 else f"exit status {rc}")
+            raise LazyPagesError(f"the lazy-pages server failed: {why}")
         summary["server_s"] = round(time.monotonic() - self.started, 3)
         return summary
 
@@ -853,6 +874,24 @@ class ServerProcess:
             self.proc.communicate(timeout=10)
         except Exception:  # noqa: BLE001 - best effort: it was killed
             pass
+
+
+
+def fill_incomplete(marker: Path) -> bool:
+    """Whether a lazy restore's fill ended without every page in: its marker is still there and
+    the server it names is gone (a running process then reads zeros where pages were missing)."""
+    try:
+        pid = int(marker.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return False
+    try:
+        os.kill(pid, 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ NETWORK_MODES = ("none", "bridge")
 RUNTIME_TIMEOUT_S = 300  # one runtime call (a restore: from its images being ready)
 BESIDE_STEP = "prepare the root filesystem and images beside the runtime"
 BESIDE_PREFIX = "beside the runtime: "  # timings of what ran on the restore's own threads meanwhile
+LAZY_MARKER = "lazy-fill.pending"  # in the container's dir while its lazy restore fills memory (gpusnap.criu.lazy_pages)
+DAMAGED = "damaged"  # ps status: a lazy restore that never finished filling (delete it and restore again)
 LAZY_SERVER_STEP = "start the lazy-pages server"
 LAZY_FILL_STEP = "fill the memory (lazy pages)"
 WAIT_IMAGES = "wait for the checkpoint images"  # the restore step that waits for the pages files (RestoreOptions.images_ready)
@@ -314,6 +316,12 @@ class RuncDirectEngine(EngineBase):
             pid = int(state.get("pid") or 0) if status == "running" else 0
         elif status in ("running", "created", "paused"):
             status = "exited"  # runc no longer knows it: its processes are gone
+        marker = self.container_dir(rec.name) / LAZY_MARKER
+        if status in ("running", "paused") and marker.exists():
+            from gpusnap.criu.lazy_pages import fill_incomplete
+
+            if fill_incomplete(marker):
+                status = DAMAGED  # its lazy restore ended with pages missing: they read as zeros
         return ContainerInfo(
             id=rec.name,
             name=rec.name,
@@ -529,13 +537,15 @@ class RuncDirectEngine(EngineBase):
             assert restore_from is not None
             lazy["work"] = Path(tempfile.mkdtemp(prefix=f"{rec.name}-", dir=self.container_dir(rec.name)))
             try:
-                lazy["server"] = ServerProcess.spawn(restore_from, lazy["work"], log=self.container_dir(rec.name) / "lazy-pages.log")
+                lazy["server"] = ServerProcess.spawn(restore_from, lazy["work"], log=self.container_dir(rec.name) / "lazy-pages.log",
+                                                     done_marker=self.container_dir(rec.name) / LAZY_MARKER)
             except LazyPagesError as exc:
-                raise RestoreError(f"{exc}; restore without --lazy-pages") from None
+                raise RestoreError(f"{exc}; restore with --eager-pages") from None
 
         def stop_page_server() -> None:
             if "server" in lazy:
                 lazy.pop("server").kill()
+            (self.container_dir(rec.name) / LAZY_MARKER).unlink(missing_ok=True)
 
         def fill_memory() -> None:
             # The process runs; what CRIU left out of its memory is in only when the server says
@@ -547,8 +557,9 @@ class RuncDirectEngine(EngineBase):
             try:
                 summary = server.wait(RUNTIME_TIMEOUT_S)
             except LazyPagesError as exc:
-                raise RestoreError(f"{exc}; the container was removed, the checkpoint is unchanged: restore it again without --lazy-pages") from None
+                raise RestoreError(f"{exc}; the container was removed, the checkpoint is unchanged: restore it again with --eager-pages") from None
             lazy["summary"] = summary
+            (self.container_dir(rec.name) / LAZY_MARKER).unlink(missing_ok=True)  # the server's, done
             shutil.rmtree(lazy["work"], ignore_errors=True)
 
         def start() -> None:

@@ -127,3 +127,11 @@ def which_or_skip(name: str) -> str:
     if not path:
         pytest.skip(f"{name} not installed (run tests/host/provision.sh)")
     return path
+
+
+def delete_all(gs: Gs) -> None:
+    """Delete every runc-direct container ``gs`` left (a test's teardown)."""
+    containers = gs.root / "run" / "engine" / "containers"
+    if containers.is_dir():
+        for d in containers.iterdir():
+            gs("delete", d.name, check=False)

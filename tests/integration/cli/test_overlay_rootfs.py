@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Gs
+from .conftest import Gs, delete_all
 
 pytestmark = pytest.mark.integration
 
@@ -60,10 +60,7 @@ def mounts_under(root: Path) -> list[str]:
 @pytest.fixture
 def overlay_gs(gs: Gs) -> Iterator[Gs]:
     yield gs
-    containers = gs.root / "run" / "engine" / "containers"
-    if containers.is_dir():
-        for d in containers.iterdir():
-            gs("delete", d.name, check=False)
+    delete_all(gs)
     for m in sorted(mounts_under(gs.root), reverse=True):  # only if a delete above failed
         subprocess.run(["umount", "-l", m], check=False)
 

@@ -338,3 +338,37 @@ def test_the_servers_view_of_copied_pages_is_dropped(tmp_path: Path) -> None:
     assert _mapping_rss_kib(base) <= 8 * 1024 + 64
     assert read_memory(base, size) == data
     files.close()
+
+
+def test_a_server_whose_restore_never_came_ends_with_its_starter(tmp_path: Path) -> None:
+    """Without a timeout it waits as long as a pull may take, but not past the process that
+    started it (a gpusnap restore killed before runc ran)."""
+    import subprocess
+
+    images, work, out = tmp_path / "images", tmp_path / "work", tmp_path / "out"
+    images.mkdir()
+    work.mkdir()
+    starter = subprocess.run(["sh", "-c", f'"{sys.executable}" -m gpusnap.criu.lazy_pages "{images}" "{work}" > "{out}" 2>&1 & echo $!; sleep 0.5'],
+                             capture_output=True, text=True, check=True)
+    pid = int(starter.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    lines = out.read_text().splitlines()
+    assert lines[0] == "ready" and "is gone" in json.loads(lines[-1])["error"]
+
+
+def test_fill_incomplete_reads_the_marker_and_the_servers_life(tmp_path: Path) -> None:
+    import subprocess
+
+    marker = tmp_path / "lazy-fill.pending"
+    assert not lp.fill_incomplete(marker)  # no marker: nothing was lazy, or it finished
+    marker.write_text(f"{os.getpid()}\n")
+    assert not lp.fill_incomplete(marker)  # its server still runs
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    marker.write_text(f"{gone.pid}\n")
+    assert lp.fill_incomplete(marker)
+    marker.write_text("garbage")
+    assert not lp.fill_incomplete(marker)
