@@ -727,7 +727,7 @@ class Server:
                 with self.tasks_mu:
                     tasks = [t for t in self.tasks if not t.gone]
                 for t in tasks:
-                    if t.uffd not in polled:
+                    if t.uffd not in polled and not t.gone:
                         poller.register(t.uffd, select.POLLIN)
                         polled[t.uffd] = t
                 if self.all_done():
@@ -737,6 +737,8 @@ class Server:
                     for m in self.read_events(task):
                         if m[0] == EVENT_PAGEFAULT:
                             self.answer_fault(task, m)
+                    if task.gone:
+                        poller.unregister(fd)  # its process exited: nothing more will come
         except BaseException as exc:  # noqa: BLE001 - reported by run()
             self.fail(f"{exc}")
 
