@@ -1014,7 +1014,9 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                     row(f"  of which pull, command minus its restore step (~{gb(got):.2f} GB fetched)", pull,
                         f"{gb(got) / pull / http_down:.2f}x HTTP download floor" if http_down else "", rate_bytes=got)
         for knob, (_, _, labels) in AB_KNOBS.items():
-            ab = w.get(f"restore_registry_ab_{knob}") or (w.get("restore_registry_ab") or [] if knob == "criu_before_pages" else [])
+            # e2e.json files before AB_KNOBS kept the criu_before_pages rounds under "restore_registry_ab" (--report reads them).
+            legacy = w.get("restore_registry_ab") if knob == "criu_before_pages" else None
+            ab = w.get(f"restore_registry_ab_{knob}") or legacy or []
             for on, label in zip((True, False), labels):
                 secs = [x["first_step_s"] for x in ab if x.get(knob) == on]
                 if secs:

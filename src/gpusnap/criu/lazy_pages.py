@@ -56,7 +56,7 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -209,8 +209,7 @@ class Stats:
     events: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"copied_bytes": self.copied_bytes, "fault_bytes": self.fault_bytes, "faults": self.faults, "zero_pages": self.zero_pages,
-                "copies": self.copies, "dropped_bytes": self.dropped_bytes, "events": dict(self.events)}
+        return asdict(self)
 
 
 class Task:
@@ -263,6 +262,15 @@ def uffd_range(uffd: int, request: int, start: int, length: int) -> int:
     return _ioctl(uffd, request, bytearray(struct.pack("<QQ", start, length)))
 
 
+MADV_DONTNEED = 4
+
+
+def _libc() -> Any:
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return lib
+
+
 # What CRIU's lazy restore asks of the kernel (criu/uffd.c NEED_UFFD_API_FEATURES): the events.
 UFFDIO_API = 0xC018AA3F
 UFFD_API = 0xAA
@@ -276,8 +284,7 @@ def host_support(machine: str | None = None) -> tuple[bool, str]:
     nr = SYS_USERFAULTFD.get(machine or os.uname().machine)
     if nr is None:
         return False, f"no userfaultfd system call known for {machine or os.uname().machine}"
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.syscall(nr, os.O_CLOEXEC | os.O_NONBLOCK)
+    fd = _libc().syscall(nr, os.O_CLOEXEC | os.O_NONBLOCK)
     if fd < 0:
         return False, f"userfaultfd: {os.strerror(ctypes.get_errno())}"
     try:
@@ -333,15 +340,6 @@ def lazy_ranges(pagemap_image: bytes, vmas: list[tuple[int, int]]) -> tuple[int,
             off += stop - start
             start = stop
     return reader.pages_id, out
-
-
-MADV_DONTNEED = 4
-
-
-def _libc() -> Any:
-    lib = ctypes.CDLL(None, use_errno=True)
-    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return lib
 
 
 class PagesFiles:
@@ -442,15 +440,6 @@ class Server:
         self.listener = s
 
     # -- the restore's connection ---------------------------------------------------------
-    def _recv_exact(self, conn: socket.socket, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            got = conn.recv(n - len(data))
-            if not got:
-                return data
-            data += got
-        return data
-
     def receive(self, timeout: float) -> None:
         """Take the restore's connection and its tasks, until it says it finished. ``timeout``
         (0: none) bounds the wait for the connection; so does the death of the process that
@@ -474,7 +463,7 @@ class Server:
         conn.settimeout(None)
         with conn:
             while True:
-                raw = self._recv_exact(conn, 4)
+                raw = conn.recv(4, socket.MSG_WAITALL)  # short only if the restore closed it
                 if len(raw) < 4:
                     raise LazyPagesError("the restore closed its connection before it finished (CRIU failed; see its log)")
                 (word,) = struct.unpack("<i", raw)

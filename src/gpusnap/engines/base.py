@@ -22,6 +22,11 @@ FORM_PODMAN_ARCHIVE = "podman-archive"  # `podman container checkpoint --export`
 FORM_DOCKER_DIR = "docker-dir"  # docker's checkpoint directory plus the container's config
 
 
+# A status engines report besides their runtime's: a runc-direct container whose lazy restore
+# ended before its memory was in (engines/runc_direct.py); it must not be checkpointed.
+DAMAGED = "damaged"
+
+
 @dataclass
 class ContainerInfo:
     """What gpusnap needs to know about one container, whatever engine runs it."""

@@ -29,6 +29,7 @@ from typing import Any
 from gpusnap import __version__
 from gpusnap.config import Settings
 from gpusnap.engines.base import (
+    DAMAGED,
     FORM_PODMAN_ARCHIVE,
     CheckpointOptions,
     ContainerInfo,
@@ -293,7 +294,7 @@ def checkpoint(
     if podman_image and eng.form != FORM_PODMAN_ARCHIVE:
         raise UsageError(f"--podman-image needs a podman container; {info.name} runs in {eng.name} (push it without --podman-image "
                          "and restore it with gpusnap restore)")
-    if info.status == "damaged":  # runc_direct.DAMAGED: a lazy restore that never finished filling its memory
+    if info.status == DAMAGED:
         raise UsageError(f"{info.name} is damaged: its lazy restore ended before all its memory was in; delete it and restore its checkpoint again")
     if not eng.is_running(info):
         raise UsageError(f"{info.name} is not running ({info.status or 'stopped'}) in {eng.name}; start it before checkpointing")

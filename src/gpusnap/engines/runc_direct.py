@@ -34,6 +34,7 @@ from typing import Any
 from gpusnap.config import Settings
 from gpusnap.criu.config import skips_network_lock, takes_network_lock_option, with_network_lock_skip
 from gpusnap.engines.base import (
+    DAMAGED,
     FORM_CRIU_DIR,
     CheckpointOptions,
     ContainerInfo,
@@ -64,7 +65,6 @@ RUNTIME_TIMEOUT_S = 300  # one runtime call (a restore: from its images being re
 BESIDE_STEP = "prepare the root filesystem and images beside the runtime"
 BESIDE_PREFIX = "beside the runtime: "  # timings of what ran on the restore's own threads meanwhile
 LAZY_MARKER = "lazy-fill.pending"  # in the container's dir while its lazy restore fills memory (gpusnap.criu.lazy_pages)
-DAMAGED = "damaged"  # ps status: a lazy restore that never finished filling (delete it and restore again)
 LAZY_SERVER_STEP = "start the lazy-pages server"
 LAZY_FILL_STEP = "fill the memory (lazy pages)"
 WAIT_IMAGES = "wait for the checkpoint images"  # the restore step that waits for the pages files (RestoreOptions.images_ready)
@@ -530,22 +530,26 @@ class RuncDirectEngine(EngineBase):
             _kill_quietly(rec.logcopy_pid)
 
         lazy: dict[str, Any] = {}  # the page server and its work directory (lazy_pages)
+        marker = self.container_dir(rec.name) / LAZY_MARKER
+
+        def new_work_dir() -> Path:  # CRIU's work directory (and the page server's socket)
+            return Path(tempfile.mkdtemp(prefix=f"{rec.name}-", dir=self.container_dir(rec.name)))
 
         def start_page_server() -> None:
             from gpusnap.criu.lazy_pages import LazyPagesError, ServerProcess
 
             assert restore_from is not None
-            lazy["work"] = Path(tempfile.mkdtemp(prefix=f"{rec.name}-", dir=self.container_dir(rec.name)))
+            lazy["work"] = new_work_dir()
             try:
                 lazy["server"] = ServerProcess.spawn(restore_from, lazy["work"], log=self.container_dir(rec.name) / "lazy-pages.log",
-                                                     done_marker=self.container_dir(rec.name) / LAZY_MARKER)
+                                                     done_marker=marker)
             except LazyPagesError as exc:
                 raise RestoreError(f"{exc}; restore with --eager-pages") from None
 
         def stop_page_server() -> None:
             if "server" in lazy:
                 lazy.pop("server").kill()
-            (self.container_dir(rec.name) / LAZY_MARKER).unlink(missing_ok=True)
+            marker.unlink(missing_ok=True)
 
         def fill_memory() -> None:
             # The process runs; what CRIU left out of its memory is in only when the server says
@@ -559,12 +563,12 @@ class RuncDirectEngine(EngineBase):
             except LazyPagesError as exc:
                 raise RestoreError(f"{exc}; the container was removed, the checkpoint is unchanged: restore it again with --eager-pages") from None
             lazy["summary"] = summary
-            (self.container_dir(rec.name) / LAZY_MARKER).unlink(missing_ok=True)  # the server's, done
+            marker.unlink(missing_ok=True)  # the server's, done
             shutil.rmtree(lazy["work"], ignore_errors=True)
 
         def start() -> None:
             self.runc_root.mkdir(parents=True, exist_ok=True)
-            work = lazy.get("work") or Path(tempfile.mkdtemp(prefix=f"{rec.name}-", dir=self.container_dir(rec.name)))
+            work = lazy.get("work") or new_work_dir()
             # The container inherits runc's stdio, stderr included, so runc's own errors go to
             # a log file rather than a pipe that would stay open as long as the container runs.
             runtime_log = work / "runtime.log"
