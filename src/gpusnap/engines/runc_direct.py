@@ -317,11 +317,13 @@ class RuncDirectEngine(EngineBase):
         elif status in ("running", "created", "paused"):
             status = "exited"  # runc no longer knows it: its processes are gone
         marker = self.container_dir(rec.name) / LAZY_MARKER
-        if status in ("running", "paused") and marker.exists():
+        if marker.exists():
             from gpusnap.criu.lazy_pages import fill_incomplete
 
+            # Its lazy restore ended with pages missing (they read as zeros): damaged whether
+            # the process still runs or already died of it.
             if fill_incomplete(marker):
-                status = DAMAGED  # its lazy restore ended with pages missing: they read as zeros
+                status = DAMAGED
         return ContainerInfo(
             id=rec.name,
             name=rec.name,

@@ -52,8 +52,8 @@ def test_a_page_server_killed_while_it_fills_fails_the_restore_and_removes_the_c
 
 def test_a_lazy_restore_killed_with_its_server_leaves_a_container_marked_damaged(lazy_gs: Gs, ledger) -> None:  # type: ignore[no-untyped-def]
     """kill -9 of the page server and of the gpusnap restore waiting for it: nothing is left to
-    remove the container, whose missing pages now read zeros; ps says so and checkpoint refuses
-    it, with what to do."""
+    remove the container, whose missing pages now read zeros; ps says so (whether its process
+    still runs or already died of the zeros) and checkpoint refuses it, with what to do."""
 
     gs = lazy_gs
     name, ref, log = checkpointed_big(gs, "lazyd")
