@@ -56,10 +56,12 @@ import struct
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpusnap.criu.landed import PAGES_NAME, Intervals, LedgerFollower
 from gpusnap.criu.pagemap import PAGE_SIZE, PagemapReader
 from gpusnap.criu.images import ImageFormatError, decode_message, read_entries
 
@@ -206,6 +208,7 @@ class Stats:
     zero_pages: int = 0
     copies: int = 0
     dropped_bytes: int = 0  # pending bytes the process unmapped or dropped before they were copied
+    deferred_faults: int = 0  # faults on pages not yet written when they came (answered once they were)
     events: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -225,6 +228,23 @@ class Task:
         self.inflight: list[Interval] = []
         self.cursor = pending.items[0].start if pending.items else 0
         self.gone = False  # the process exited: nothing more to copy
+        # Where each source byte goes, as it was when the task came (a pages file range lands
+        # by file offset; this finds its addresses). Events may move ranges since: a range
+        # not where this says is copied once everything has landed, by the cursor.
+        self.by_src = sorted((iv.src, iv.start, iv.end) for iv in pending.items)
+        self.src_starts = [s for s, _, _ in self.by_src]
+
+    def addresses_of(self, src_lo: int, src_hi: int) -> list[tuple[int, int]]:
+        """The address ranges whose source was [src_lo, src_hi) when the task came."""
+        out = []
+        k = max(0, bisect.bisect_right(self.src_starts, src_lo) - 1)
+        while k < len(self.by_src) and self.by_src[k][0] < src_hi:
+            src, start, end = self.by_src[k]
+            lo, hi = max(src, src_lo), min(src + (end - start), src_hi)
+            if lo < hi:
+                out.append((start + (lo - src), start + (hi - src)))
+            k += 1
+        return out
 
     def done(self) -> bool:
         with self.mu:
@@ -350,6 +370,16 @@ class PagesFiles:
         self._maps: dict[int, tuple[mmap.mmap, int, Any]] = {}
         self._lock = threading.Lock()
         self._libc = _libc()
+        self._spans: list[tuple[int, int, int]] = []  # (address, size, pages_id), by address
+
+    def locate(self, src: int) -> tuple[int, int] | None:
+        """(pages_id, file offset) of the mapped byte at ``src``."""
+        k = bisect.bisect_right(self._spans, (src, 1 << 64, 0)) - 1
+        if k >= 0:
+            addr, size, pid = self._spans[k]
+            if addr <= src < addr + size:
+                return pid, src - addr
+        return None
 
     def base(self, pages_id: int) -> tuple[int, int]:
         """(address, size) of pages-<pages_id>.img mapped in this process."""
@@ -366,6 +396,7 @@ class PagesFiles:
                         m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
                         anchor = ctypes.c_char.from_buffer(m)
                         self._maps[pages_id] = (m, size, anchor)
+                        bisect.insort(self._spans, (ctypes.addressof(anchor), size, pages_id))
             m, size, anchor = self._maps[pages_id]
             return (ctypes.addressof(anchor) if anchor is not None else 0), size
 
@@ -401,7 +432,7 @@ def task_pending(images: Path, pid: int, files: PagesFiles) -> Pending:
 class Server:
     """Serves one restore: ``listen``, then ``run`` until every page of every task is in."""
 
-    def __init__(self, images: Path, work: Path, *, threads: int = 8, log: Any = None) -> None:
+    def __init__(self, images: Path, work: Path, *, threads: int = 8, log: Any = None, landed: Path | None = None) -> None:
         self.images = images
         self.work = work
         self.threads = max(1, threads)
@@ -417,6 +448,14 @@ class Server:
         self.listener: socket.socket | None = None
         self.started = time.monotonic()
         self.times: dict[str, float] = {}
+        # ``landed``: the pages files are still being written (gpusnap.criu.landed); only
+        # ranges the ledger says are in are copied, a fault on any other waits for it.
+        self.ledger = landed
+        self.landed_all = landed is None
+        self.landed: dict[int, Intervals] = {}
+        self.landed_mu = threading.Lock()
+        self.landed_queue: deque[tuple[int, int, int]] = deque()  # (pages_id, offset, end), CHUNK at most
+        self.deferred: list[tuple[Task, int]] = []  # faults on pages not in yet: (task, page)
 
     def say(self, text: str) -> None:
         if self.log is not None:
@@ -495,6 +534,107 @@ class Server:
         with self.work_cv:
             self.work_cv.notify_all()
 
+    # -- pages still being written ----------------------------------------------------------
+    def landed_run(self, src: int, length: int) -> int:
+        """How many bytes from ``src`` (whole pages, at most ``length``) are in the pages files."""
+        if self.landed_all:
+            return length
+        where = self.files.locate(src)
+        if where is None:
+            return 0
+        pages_id, off = where
+        with self.landed_mu:
+            got = self.landed.get(pages_id)
+            end = got.run_end(off, off + length) if got is not None else off
+        return (end - off) & ~(PAGE_SIZE - 1)
+
+    def clip_landed(self, task: Task, iv: Interval) -> Interval | None:
+        """``iv`` (just taken, under ``task.mu``) cut to its part that is in; the rest goes back."""
+        n = self.landed_run(iv.src, iv.end - iv.start)
+        if n >= iv.end - iv.start:
+            return iv
+        task.pending.put(Interval(iv.start + n, iv.end, iv.src + n))
+        return Interval(iv.start, iv.start + n, iv.src) if n else None
+
+    def follow_ledger(self) -> None:
+        """Reads the ledger as the writer appends to it, until every range is in."""
+        assert self.ledger is not None
+        try:
+            follower = LedgerFollower(self.ledger)
+        except OSError as exc:
+            self.fail(f"cannot read the ledger of the pages being written: {exc}")
+            return
+        try:
+            while self.failure is None and not self.landed_all:
+                entries = follower.read()
+                if not entries:
+                    time.sleep(0.002)
+                    continue
+                fresh = False
+                for kind, name, off, length in entries:
+                    if kind == "!":
+                        self.fail(f"the checkpoint's pages could not be written: {name}")
+                        return
+                    if kind == "=":
+                        self.landed_all = True
+                        self.times["landed_all_s"] = round(time.monotonic() - self.started, 3)
+                        self.say("every page is in the pages files")
+                        continue
+                    m = PAGES_NAME.match(name)
+                    if m is None:
+                        continue
+                    pages_id = int(m.group(1))
+                    # Queued by whole pages: a page a piece ends in is copied with the piece
+                    # that completes it (clip_landed checks every byte of it is in).
+                    first, end = off & ~(PAGE_SIZE - 1), (off + length + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1)
+                    with self.landed_mu:
+                        self.landed.setdefault(pages_id, Intervals()).add(off, off + length)
+                        for lo in range(first, end, CHUNK):
+                            self.landed_queue.append((pages_id, lo, min(end, lo + CHUNK)))
+                    fresh = True
+                if fresh or self.landed_all:
+                    self.retry_deferred()
+                    with self.work_cv:
+                        self.work_cv.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - reported by run()
+            self.fail(f"reading the ledger of the pages being written: {exc}")
+        finally:
+            follower.close()
+
+    def retry_deferred(self) -> None:
+        """Answer again the faults whose pages have landed since."""
+        with self.landed_mu:
+            waiting, self.deferred = self.deferred, []
+        for task, page in waiting:
+            if not task.gone:
+                self.answer_page(task, page)
+
+    def copy_landed(self) -> bool:
+        """One background copy while the pages are still being written: of a range that has
+        landed, in the order they land; False when none is queued."""
+        with self.landed_mu:
+            if not self.landed_queue:
+                return False
+            pages_id, off, end = self.landed_queue.popleft()
+        base, _ = self.files.base(pages_id)
+        with self.tasks_mu:
+            tasks = list(self.tasks)
+        for task in tasks:
+            for lo, hi in task.addresses_of(base + off, base + end):
+
+                def choose(task: Task = task, lo: int = lo, hi: int = hi) -> Interval | None:
+                    got = None
+                    for iv in task.pending.take(lo, hi):
+                        if got is None:
+                            got = self.clip_landed(task, iv)  # puts back what is not in
+                        else:
+                            task.pending.put(iv)  # the next call's
+                    return got
+
+                while self.copy_taken(task, choose, fault=False):
+                    pass
+        return True
+
     # -- copying ---------------------------------------------------------------------------
     def count(self, **kw: int) -> None:
         with self.stats_mu:
@@ -572,6 +712,8 @@ class Server:
 
     def copy_next(self) -> bool:
         """One background copy, of the first task with something left; False: none has."""
+        if not self.landed_all:
+            return self.copy_landed()
         with self.tasks_mu:
             tasks = list(self.tasks)
         for task in tasks:
@@ -672,9 +814,23 @@ class Server:
 
     def answer_fault(self, task: Task, msg: bytes) -> None:
         (addr,) = struct.unpack_from("<Q", msg, 16)
-        page = addr & ~(PAGE_SIZE - 1)
         self.count(faults=1)
-        state = {"wait": False}
+        self.answer_page(task, addr & ~(PAGE_SIZE - 1))
+        with self.landed_mu:
+            if not self.deferred:
+                return
+            task_page = self.deferred[-1]
+        # A fault deferred just as its range landed would miss the ledger follower's retry:
+        # retried here too (outside the task's lock: answer_page takes it again).
+        last, page = task_page
+        with last.mu:
+            holder = last.pending.find(page)
+            src = None if holder is None else holder.src + (page - holder.start)
+        if src is not None and self.landed_run(src, PAGE_SIZE):
+            self.retry_deferred()
+
+    def answer_page(self, task: Task, page: int) -> None:
+        state: dict[str, int | bool] = {"wait": False}
 
         def choose() -> Interval | None:
             if task.in_flight(page):
@@ -683,13 +839,21 @@ class Server:
             holder = task.pending.find(page)
             if holder is None:
                 return None
-            iv = task.pending.take(page, min(holder.end, page + FAULT_CHUNK))[0]
+            iv = self.clip_landed(task, task.pending.take(page, min(holder.end, page + FAULT_CHUNK))[0])
+            if iv is None:  # not written yet: answered once it lands
+                state["src"] = holder.src + (page - holder.start)
+                return None
             task.cursor = iv.end  # the background goes on from there: readers go in order
             return iv
 
         task.gate.acquire_shared()
         try:
             if self.copy_taken(task, choose, fault=True, gate=False) or state["wait"] or task.gone:
+                return
+            if "src" in state:
+                with self.landed_mu:
+                    self.deferred.append((task, page))
+                self.count(deferred_faults=1)
                 return
             # In no lazy range, none in flight: a page never written before the dump (or one a
             # copy filled since the fault). Under the shared lock, as copies are.
@@ -736,6 +900,10 @@ class Server:
         pool = [threading.Thread(target=self.worker, name=f"gpusnap-lazy-{i}", daemon=True) for i in range(self.threads)]
         events = threading.Thread(target=self.event_loop, name="gpusnap-lazy-events", daemon=True)
         events.start()
+        follower = None
+        if self.ledger is not None:
+            follower = threading.Thread(target=self.follow_ledger, name="gpusnap-lazy-ledger", daemon=True)
+            follower.start()
         for t in pool:
             t.start()
         try:
@@ -745,6 +913,10 @@ class Server:
         for t in pool:
             t.join()
         events.join()
+        if follower is not None and not self.landed_all:
+            self.landed_all = True  # every page is in the processes: the ledger is of no more use
+        if follower is not None:
+            follower.join()
         self.times["done_s"] = round(time.monotonic() - self.started, 3)
         with self.tasks_mu:
             tasks = list(self.tasks)
@@ -770,11 +942,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accept-timeout", type=float, default=0.0, help="seconds to wait for the restore (0: as long as its starter lives)")
     p.add_argument("--log", type=Path)
     p.add_argument("--done-marker", type=Path, help="removed once every page is in (the engine's sign of a complete restore)")
+    p.add_argument("--landed", type=Path, help="the ledger of the pages files still being written (gpusnap.criu.landed)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the terminal of the gpusnap that started it may go
     log = open(a.log, "a") if a.log else None  # noqa: SIM115 - open for the server's life
-    server = Server(a.images, a.work, threads=a.threads, log=log)
+    server = Server(a.images, a.work, threads=a.threads, log=log, landed=a.landed)
     try:
         server.listen()
     except OSError as exc:
@@ -805,9 +978,10 @@ class ServerProcess:
 
     @classmethod
     def spawn(cls, images: Path, work: Path, *, log: Path | None = None, threads: int | None = None, ready_timeout: float = 30.0,
-              done_marker: Path | None = None) -> "ServerProcess":
+              done_marker: Path | None = None, landed: Path | None = None) -> "ServerProcess":
         """Start it and wait until it listens; LazyPagesError if it does not. ``done_marker``:
-        written now with the server's pid, removed by the server once every page is in."""
+        written now with the server's pid, removed by the server once every page is in.
+        ``landed``: the pages files are still being written; this ledger says what is in."""
         import subprocess
 
         argv = [sys.executable, "-m", "gpusnap.criu.lazy_pages", str(images), str(work)]
@@ -815,6 +989,8 @@ class ServerProcess:
             argv += ["--log", str(log)]
         if done_marker is not None:
             argv += ["--done-marker", str(done_marker)]
+        if landed is not None:
+            argv += ["--landed", str(landed)]
         if threads:
             argv += ["--threads", str(threads)]
         started = time.monotonic()

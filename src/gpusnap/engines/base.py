@@ -71,6 +71,9 @@ class RestoreOptions:
     images_ready: Callable[[], object] | None = None
     # CRIU's lazy pages served by gpusnap.criu.lazy_pages (engines with LAZY_PAGES = True).
     lazy_pages: bool = False
+    # With images_ready and lazy_pages: what of the pages files is in so far
+    # (gpusnap.criu.landed.LandedPages), so that CRIU and the page server need not wait for all.
+    pages_landed: Any = None
 
 
 @dataclass

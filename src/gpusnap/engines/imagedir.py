@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpusnap.engines import workdirs
 
@@ -164,8 +165,10 @@ class ImageJob:
     while a thread still writes into it.
     """
 
-    def __init__(self, write: Callable[[Callable[[], None], threading.Event], object], name: str = "gpusnap-images") -> None:
+    def __init__(self, write: Callable[[Callable[[], None], threading.Event], object], name: str = "gpusnap-images",
+                 landed: Any = None) -> None:
         self._write = write
+        self.landed = landed  # gpusnap.criu.landed.LandedPages the writer reports to: told here how it ended
         self._staged = threading.Event()
         self._done = threading.Event()
         self._cancel = threading.Event()
@@ -186,9 +189,13 @@ class ImageJob:
     def _run(self) -> None:
         try:
             self.result = self._write(self._staged.set, self._cancel)
+            if self.landed is not None:
+                self.landed.complete()
         except BaseException as exc:  # noqa: BLE001 - raised where the restore waits for it
             self.error = exc
             self._told_to_stop = self._cancel.is_set()
+            if self.landed is not None:
+                self.landed.fail(str(exc) or type(exc).__name__)
         finally:
             self.seconds = time.perf_counter() - self._started
             self._staged.set()

@@ -581,6 +581,13 @@ def restore(
     pull_phases: dict[str, float] = {}  # the pull's own phases (fetch_into), beside the laps
     clock.lap("sweep the work dirs")
     try:
+        # What of the pages files is in, as the writer goes (a lazy restore's CRIU and page
+        # server need not wait for all of it: gpusnap.criu.landed). Kept by every image job,
+        # since the engine, and so whether the restore is lazy, is known only after it started.
+        from gpusnap.criu.landed import LEDGER_NAME, LandedPages
+
+        landed = LandedPages(work / LEDGER_NAME)
+        memory.callback(landed.close)
         if path.exists():
             form = detect_form(path)
             meta = read_metadata(path, form)
@@ -621,9 +628,9 @@ def restore(
                 def fetch(staged: Callable[[], None], cancel: threading.Event) -> Any:
                     with bars as bar:  # the progress bar ends with the download
                         return fetch_into(settings.store_dir, rc, local, progress=bar, staged=staged, cancel=cancel,
-                                          processes=settings.fetch_processes, map_files=reserved, timings=pull_phases)
+                                          processes=settings.fetch_processes, map_files=reserved, timings=pull_phases, landed=landed)
 
-                images = imagedir.ImageJob(fetch, name="gpusnap-fetch").start()
+                images = imagedir.ImageJob(fetch, name="gpusnap-fetch", landed=landed).start()
                 images.what = "pull into the image directory"
                 images.wait_staged()
                 clock.lap(f"{images.what} (all but the pages files)")
@@ -643,7 +650,8 @@ def restore(
                 progress(f"unpacking {source}")
                 materialize = api.materialize_checkpoint
                 images = imagedir.ImageJob(lambda staged, cancel: materialize(settings.store_dir, ref, local, form=form, staged=staged,
-                                                                              cancel=cancel, **keys), name="gpusnap-materialize").start()
+                                                                              cancel=cancel, landed=landed, **keys),
+                                           name="gpusnap-materialize", landed=landed).start()
                 images.what = "materialize"
                 images.wait_staged()
                 clock.lap(f"{images.what} (all but the pages files)")
@@ -662,6 +670,7 @@ def restore(
         if images is not None:
             if getattr(type(eng), "OVERLAPS_IMAGES", False):
                 opts.images_ready = images.wait  # the engine prepares the container meanwhile
+                opts.pages_landed = landed if lazy else None
             else:
                 images.wait()
                 clock.lap(WAIT_IMAGES)

@@ -68,6 +68,7 @@ LAZY_MARKER = "lazy-fill.pending"  # in the container's dir while its lazy resto
 LAZY_SERVER_STEP = "start the lazy-pages server"
 LAZY_FILL_STEP = "fill the memory (lazy pages)"
 WAIT_IMAGES = "wait for the checkpoint images"  # the restore step that waits for the pages files (RestoreOptions.images_ready)
+WAIT_EAGER_PAGES = "wait for the pages CRIU copies itself"  # a lazy restore whose pages are still being written
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -492,6 +493,7 @@ class RuncDirectEngine(EngineBase):
     def _start(
         self, rec: RuncDirectRecord, restore_from: Path | None, *, skip_lock: bool, spec: dict[str, Any] | None = None, tcp_established: bool = False,
         timings: dict[str, float] | None = None, images_ready: Callable[[], object] | None = None, lazy_pages: bool = False,
+        pages_landed: Any = None,
     ) -> None:
         """``images_ready`` (a restore whose pages files are still being written): waited for
         after everything else is prepared, just before runc starts CRIU; its failure undoes
@@ -501,10 +503,16 @@ class RuncDirectEngine(EngineBase):
         writable layer unpacked and mounted) and its pages files before starting the runtime:
         those go on on threads of their own while the runtime starts, loads the GPU driver and
         plans the spec, and the runtime waits for them just before runc (through the pipe named
-        by ``GPUSNAP_RESTORE_GATE_FD``: gpusnap.checkpoint.runtime_steps.gate_steps)."""
+        by ``GPUSNAP_RESTORE_GATE_FD``: gpusnap.checkpoint.runtime_steps.gate_steps).
+
+        ``pages_landed`` (a lazy restore through gpusnap-runtime whose pages files are still
+        being written: gpusnap.criu.landed): CRIU goes on once the pages it copies itself are
+        in, and the page server copies the others as they land; the fill step then waits for
+        the writer too."""
         bundle = self.container_dir(rec.name) / "bundle"
         pipes: dict[str, int] = {}
         gated = restore_from is not None and self.runtime_name() == "gpusnap-runtime"
+        following = gated and lazy_pages and images_ready is not None and pages_landed is not None
         beside_steps: list[Step] = []  # filled by _prepare_bundle below
         beside_times: dict[str, float] = {}
 
@@ -544,7 +552,7 @@ class RuncDirectEngine(EngineBase):
             lazy["work"] = new_work_dir()
             try:
                 lazy["server"] = ServerProcess.spawn(restore_from, lazy["work"], log=self.container_dir(rec.name) / "lazy-pages.log",
-                                                     done_marker=marker)
+                                                     done_marker=marker, landed=pages_landed.path if following else None)
             except LazyPagesError as exc:
                 raise RestoreError(f"{exc}; restore with --eager-pages") from None
 
@@ -560,6 +568,15 @@ class RuncDirectEngine(EngineBase):
             from gpusnap.criu.lazy_pages import LazyPagesError
 
             server = lazy.pop("server")
+            if following:
+                # The rest of the pages are still being written: the writer's own failure
+                # first (the server fails with it), and the runtime's time limit from there.
+                assert images_ready is not None
+                lazy["server"] = server  # killed by the undo if the writer failed
+                started = time.perf_counter()
+                images_ready()
+                beside_times["pages written, after the restore"] = round(time.perf_counter() - started, 3)
+                lazy.pop("server")
             try:
                 summary = server.wait(RUNTIME_TIMEOUT_S)
             except LazyPagesError as exc:
@@ -588,7 +605,8 @@ class RuncDirectEngine(EngineBase):
                 what = "restore"
             try:
                 if gated:
-                    proc = self._gated_runtime(args, pipes, beside, images_ready, beside_times)
+                    proc = self._gated_runtime(args, pipes, beside, images_ready, beside_times,
+                                               pages_landed=pages_landed if following else None, images=restore_from)
                 else:
                     proc = self._runtime(*args, stdin=pipes["in_r"], stdout=pipes["out_w"], stderr=pipes["out_w"], capture_output=False)
             finally:
@@ -641,7 +659,7 @@ class RuncDirectEngine(EngineBase):
                         timings[f"lazy pages: {key}"] = lazy["summary"][key]
 
     def _gated_runtime(self, args: list[str], pipes: dict[str, int], beside: Beside, images_ready: Callable[[], object] | None,
-                       times: dict[str, float]) -> subprocess.CompletedProcess[str]:
+                       times: dict[str, float], *, pages_landed: Any = None, images: Path | None = None) -> subprocess.CompletedProcess[str]:
         """Run the runtime's restore now and let it go on to runc once the root filesystem
         (``beside``) and all image files but the pages are ready ("rootfs" on the gate pipe),
         CRIU then held before it reads the pages until they are whole ("pages"); "stop" when
@@ -671,12 +689,26 @@ class RuncDirectEngine(EngineBase):
             # "ok" once all is ready; with criu_before_pages, "rootfs" as soon as the root
             # filesystem is, and "pages" once the pages are whole (CRIU is held before it reads
             # them meanwhile: gpusnap.checkpoint.pages_hold); "stop" when either failed.
-            early = images_ready is not None and self.settings.criu_before_pages
+            early = images_ready is not None and (self.settings.criu_before_pages or pages_landed is not None)
             try:
                 beside.result()
                 if early:
                     say(GATE_ROOTFS)
-                if images_ready is not None:
+                if pages_landed is not None:
+                    # A lazy restore: CRIU copies a few MB of the pages itself, the page server
+                    # the rest as it lands (gpusnap.criu.landed).
+                    started = time.perf_counter()
+                    from gpusnap.criu.landed import LandedFailed
+
+                    assert images is not None
+                    try:
+                        pages_landed.wait_eager(images)
+                    except LandedFailed as exc:
+                        if images_ready is not None:
+                            images_ready()  # the writer's own error
+                        raise RestoreError(f"the checkpoint's pages could not be written: {exc}") from None
+                    times[WAIT_EAGER_PAGES] = round(time.perf_counter() - started, 3)
+                elif images_ready is not None:
                     started = time.perf_counter()
                     images_ready()
                     times[WAIT_IMAGES] = round(time.perf_counter() - started, 3)
@@ -815,7 +847,8 @@ class RuncDirectEngine(EngineBase):
         skip_lock = self._lock_skippable(rec)
         self._require_network_lock(rec, skip_lock, "restore")
         self._start(rec, restore_from=source, skip_lock=skip_lock, spec=saved["spec"], tcp_established=opts.tcp_established,
-                    timings=opts.timings, images_ready=opts.images_ready, lazy_pages=opts.lazy_pages)
+                    timings=opts.timings, images_ready=opts.images_ready, lazy_pages=opts.lazy_pages,
+                    pages_landed=opts.pages_landed)
         info = self.get(name)
         assert info is not None
         return info

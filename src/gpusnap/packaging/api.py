@@ -202,13 +202,14 @@ def _store_checkpoint(store_dir: Path, source: Path, *, form: str, ref: str, met
 
 
 def materialize_checkpoint(store_dir: Path, ref: str, dest: Path, *, form: str, decryption: DecryptionKeys | None = None,
-                           staged: Any = None, cancel: Any = None) -> Path:
+                           staged: Any = None, cancel: Any = None, landed: Any = None) -> Path:
     """Rebuild a checkpoint from the store: a directory (criu-dir, docker-dir) or an archive file.
 
     An encrypted checkpoint is decrypted into a private temporary store beside ``dest`` first.
     ``staged``/``cancel``: see ``artifact.write_directory_pieced`` (a v2 directory checkpoint
     is renamed into place, and ``staged()`` called, before its pages files are written; other
-    forms ignore them and are in place only once whole).
+    forms ignore them and are in place only once whole). ``landed``: as for :func:`fetch_into`
+    (told only by v2 directory checkpoints; others report nothing until they are whole).
     """
     _check_form(form)
     store = OciStore(Path(store_dir))
@@ -219,7 +220,7 @@ def materialize_checkpoint(store_dir: Path, ref: str, dest: Path, *, form: str, 
 
         Path(dest).parent.mkdir(parents=True, exist_ok=True)
         with decrypted_store(store, ref, decryption or _Keys(), workdir=Path(dest).parent) as (plain, plain_ref):
-            return materialize_checkpoint(plain.root, plain_ref, dest, form=form, staged=staged, cancel=cancel)
+            return materialize_checkpoint(plain.root, plain_ref, dest, form=form, staged=staged, cancel=cancel, landed=landed)
     art = fmt.load(store, store.resolve(ref).digest)
     src_form = art.config.get("form")
     dest = Path(dest)
@@ -244,7 +245,7 @@ def materialize_checkpoint(store_dir: Path, ref: str, dest: Path, *, form: str, 
     # criu-dir and docker-dir are the CRIU image directory (docker's adds nothing of its own).
     prefix = None if src_form in ("criu-dir", "docker-dir") else art.config.get("criuDir", "")
     if art.config.get("schemaVersion", 1) >= 2:
-        return fmt.write_directory_pieced(store, art, prefix, dest, staged=staged, cancel=cancel)
+        return fmt.write_directory_pieced(store, art, prefix, dest, staged=staged, cancel=cancel, landed=landed)
     return fmt.write_directory(fmt.iter_tree(store, art, prefix), dest)
 
 
@@ -610,18 +611,18 @@ def open_remote(remote: str, *, insecure: bool = False) -> Any:
 
 def fetch_into(store_dir: Path, remote: Any, dest: Path, *, progress: Progress | None = None, staged: Any = None,
                cancel: Any = None, processes: int | None = None, map_files: bool = False,
-               timings: dict[str, float] | None = None) -> Any:
+               timings: dict[str, float] | None = None, landed: Any = None) -> Any:
     """Write the checkpoint ``remote`` (from :func:`open_remote`) as the image directory
     ``dest`` straight from the registry: each byte written once, every blob and piece verified
     as it lands, nothing at ``dest`` on failure. The store records only the manifest, the
     config and where the blobs are. Returns a gpusnap.packaging.fetch.FetchResult.
     ``staged``/``cancel``: as for :func:`materialize_checkpoint` (gpusnap.packaging.fetch);
     ``processes``: transfer processes (None: chosen from the size and the cores; 0: none);
-    ``map_files``, ``timings``: as for gpusnap.packaging.fetch.fetch_into."""
+    ``map_files``, ``timings``, ``landed``: as for gpusnap.packaging.fetch.fetch_into."""
     from gpusnap.packaging.fetch import fetch_into as _fetch
 
     return _fetch(OciStore(Path(store_dir)), remote, dest, progress=progress, staged=staged, cancel=cancel, processes=processes,
-                  map_files=map_files, timings=timings)
+                  map_files=map_files, timings=timings, landed=landed)
 
 
 def pull(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None,

@@ -709,7 +709,8 @@ def _iter_pieced_files(store: OciStore, art: LoadedArtifact, prefix: str | None)
 
 
 def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | None, dest: Path, workers: int | None = None, *,
-                           staged: Callable[[], None] | None = None, cancel: threading.Event | None = None) -> Path:
+                           staged: Callable[[], None] | None = None, cancel: threading.Event | None = None,
+                           landed: Any = None) -> Path:
     """Materialize a v2 artifact as a directory: tar layers extracted, then every pack blob
     read once, on a thread pool, its pieces verified and pwritten at their offsets (zero runs
     stay holes). Built beside ``dest`` and renamed into place.
@@ -719,6 +720,9 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
     complete the directory is renamed into place and ``staged()`` is called, then the pages
     files are written in place. ``cancel``: set by the caller to stop the writers early (raises
     :class:`layout.Cancelled`). Either way a failure leaves nothing at ``dest``.
+
+    ``landed``: as for gpusnap.packaging.fetch.fetch_into (a lazy restore's page server copies
+    the pages as they are written).
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -751,6 +755,10 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
             fds[f.path] = fd
             os.ftruncate(fd, f.size)
             infos[f.path] = ti
+        if landed is not None:
+            for path, off, length in layout.zeros:  # holes from the start
+                if path in infos:
+                    landed.add(infos[path].name, off, length)
 
         def place(plan: lay.BlobPlan) -> int:
             if stop.is_set() or (cancel is not None and cancel.is_set()):
@@ -759,7 +767,16 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
             if not wanted:
                 return 0
             with store.open_blob(plan.descriptor.digest) as blob:
-                return lay.place_stream(lay.BlobPlan(plan.descriptor, wanted), blob, fds.__getitem__)
+                n = lay.place_stream(lay.BlobPlan(plan.descriptor, wanted), blob, fds.__getitem__)
+            if landed is not None:
+                for path, off, length in lay.written_spans(lay.BlobPlan(plan.descriptor, wanted)):
+                    landed.add(infos[path].name, off, length)
+            return n
+
+        def place_next() -> int:  # the next blob of the second stage, in the order of ``queue`` then
+            with queue_mu:
+                plan = queue.pop()
+            return place(plan)
 
         def finish(paths: list[str]) -> None:
             for p in paths:
@@ -773,11 +790,12 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
 
         late = {f.path for f in layout.files if f.role == lay.STAGED_ROLE and f.path in fds} if staged is not None else set()
         first, rest = lay.split_stages(layout.blobs, late)
+        queue, queue_mu = list(reversed(rest)), threading.Lock()  # the second stage, popped from the end
         n = max(1, workers or os.cpu_count() or 1)
         with ThreadPoolExecutor(n, thread_name_prefix="gpusnap-place") as pool:
             try:
                 early = [pool.submit(place, b) for b in first]
-                later = [pool.submit(place, b) for b in rest]  # queued behind the first stage
+                later = [pool.submit(place_next) for _ in rest]  # queued behind the first stage
                 for fut in early:
                     fut.result()
                 if staged is not None:
@@ -786,6 +804,11 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
                         dest.rmdir()
                     os.replace(tmp, dest)
                     root = dest
+                    if landed is not None:
+                        by_name = {infos[p].name: p for p in infos}
+                        wanted = {by_name[k]: v for k, v in landed.first(dest).items() if k in by_name}
+                        with queue_mu:
+                            queue[:] = reversed(lay.wanted_first(list(reversed(queue)), wanted))
                     staged()
                 for fut in later:
                     fut.result()

@@ -657,7 +657,8 @@ class _Fetch:
 
 def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: Progress | None = None,
                staged: Callable[[], None] | None = None, cancel: threading.Event | None = None,
-               processes: int | None = None, map_files: bool = False, timings: dict[str, float] | None = None) -> FetchResult:
+               processes: int | None = None, map_files: bool = False, timings: dict[str, float] | None = None,
+               landed: Any = None) -> FetchResult:
     """Write the checkpoint ``rc`` as its image directory ``dest``, straight from the registry.
 
     ``dest`` must not exist or be empty. Every blob and piece is verified; on any failure
@@ -678,6 +679,11 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
     own tmpfs), so transfer processes may receive straight into the files' mappings
     (:class:`FileMaps` says why only then). ``timings``: filled with seconds per phase (reading
     the piece table, the first stage when staged, the rest).
+
+    ``landed`` (a lazy restore whose page server copies pages as they arrive:
+    gpusnap.criu.landed.LandedPages): told of every range of the files once it is written and
+    verified (zero runs at once); when staged, asked which ranges of the pages files to fetch
+    first once the other files are in (those CRIU reads itself).
     """
     started = time.monotonic()
     if not rc.direct:
@@ -711,9 +717,13 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
     try:
         for f in pl.files:
             fds[f.path] = _create_sparse(tmp, f.path, f.size)
+        if landed is not None:
+            for path, off, length in pl.zeros:  # holes from the start
+                landed.add(path, off, length)
         chunk_names = set(fds)
         late = {f.path for f in pl.files if f.role == lay.STAGED_ROLE} if staged is not None else set()
         first, rest = lay.split_stages(pl.blobs, late)
+        queue, queue_mu = list(reversed(rest)), threading.Lock()  # the second stage, popped from the end
 
         def finish(files: list[lay.FileEntry]) -> None:
             for f in files:
@@ -733,6 +743,10 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
             if timings is not None:
                 timings["all but the pages files"] = round(time.monotonic() - started, 3)
             assert staged is not None
+            if landed is not None:
+                wanted = landed.first(dest)
+                with queue_mu:
+                    queue[:] = reversed(lay.wanted_first(list(reversed(queue)), wanted))
             staged()
 
         def tar_job(desc: Descriptor) -> None:
@@ -746,6 +760,17 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         def blob_job(bp: BlobPlan) -> None:
             fetch.stream(bp.descriptor, _BlobRouter(bp, fds))
 
+        def reported(job: Callable[[BlobPlan], None]) -> Callable[[BlobPlan], None]:
+            if landed is None:
+                return job
+
+            def run(bp: BlobPlan) -> None:
+                job(bp)
+                for path, off, length in lay.written_spans(bp):
+                    landed.add(path, off, length)
+
+            return run
+
         # The blobs that transfer processes download, if any: the pages when staged (the first
         # stage is small and wanted soon), else all; the processes start now, while it runs.
         far = rest if staged is not None else first + rest
@@ -758,11 +783,18 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
                                                      map_files=map_files)
             except OSError:  # no process to be had (fork refused, a pipe broken at once): all in this one, slower
                 pool = None
-        far_job: Callable[[BlobPlan], None] = pool.run if pool is not None else blob_job
+        far_job = reported(pool.run if pool is not None else blob_job)
+        near_job = reported(blob_job) if staged is not None else far_job
+
+        def next_far() -> None:  # the next blob of the second stage, in the order of ``queue`` then
+            with queue_mu:
+                bp = queue.pop()
+            far_job(bp)
+
         jobs: list[Callable[[], None]] = [lambda d=d: tar_job(d) for d in pl.tar_layers]
-        jobs += [lambda b=b: (blob_job if staged is not None else far_job)(b) for b in first]
+        jobs += [lambda b=b: near_job(b) for b in first]
         stage_one = len(jobs)
-        jobs += [lambda b=b: far_job(b) for b in rest]
+        jobs += [next_far for _ in rest]
         workers = max(fetch_workers(rc.client.workers), pool.slots if pool is not None else 0)
         _run_all(jobs, workers, fetch.abort, (stage_one, in_place) if staged is not None else None, cancel=cancel)
         if pool is not None:

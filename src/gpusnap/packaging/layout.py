@@ -404,3 +404,34 @@ def split_stages(blobs: list[BlobPlan], late: set[str]) -> tuple[list[BlobPlan],
     first = [b for b in blobs if any(p.path not in late for p in b.placements)]
     rest = [b for b in blobs if all(p.path in late for p in b.placements)]
     return first, rest
+
+
+def written_spans(bp: BlobPlan) -> list[tuple[str, int, int]]:
+    """(path, offset, length) of what a blob wrote once it is placed and verified, contiguous
+    placements of one file merged (what a restore reports to its page server: gpusnap.criu.landed)."""
+    spans: list[tuple[str, int, int]] = []
+    for p in sorted(bp.placements, key=lambda p: (p.path, p.file_offset)):
+        if spans and spans[-1][0] == p.path and spans[-1][1] + spans[-1][2] == p.file_offset:
+            spans[-1] = (p.path, spans[-1][1], spans[-1][2] + p.raw_length)
+        else:
+            spans.append((p.path, p.file_offset, p.raw_length))
+    return spans
+
+
+def wanted_first(blobs: list[BlobPlan], wanted: dict[str, list[tuple[int, int]]]) -> list[BlobPlan]:
+    """``blobs`` with those holding any byte of a ``wanted`` range (path: [(start, end)]) first,
+    each group in its order: a lazy restore lets CRIU go once the pages it copies itself are in."""
+    from gpusnap.criu.landed import Intervals
+
+    if not wanted:
+        return list(blobs)
+    sets: dict[str, Intervals] = {}
+    for path, ranges in wanted.items():
+        for lo, hi in ranges:
+            sets.setdefault(path, Intervals()).add(lo, hi)
+
+    def needed(b: BlobPlan) -> bool:
+        return any(p.path in sets and sets[p.path].overlaps(p.file_offset, p.file_offset + p.raw_length) for p in b.placements)
+
+    urgent = [needed(b) for b in blobs]
+    return [b for b, u in zip(blobs, urgent, strict=True) if u] + [b for b, u in zip(blobs, urgent, strict=True) if not u]

@@ -110,7 +110,7 @@ class FakeRestore:
     """This test in CRIU's place: a region of this process registered with a userfaultfd, its
     images written as CRIU would, and the socket protocol of ``criu restore --lazy-pages``."""
 
-    def __init__(self, tmp: Path, npages: int, lazy: list[tuple[int, int]], hole: tuple[int, int]) -> None:
+    def __init__(self, tmp: Path, npages: int, lazy: list[tuple[int, int]], hole: tuple[int, int], landed: Path | None = None) -> None:
         self.images, self.work = tmp / "images", tmp / "work"
         self.images.mkdir()
         self.work.mkdir()
@@ -128,8 +128,10 @@ class FakeRestore:
         self.hole = hole
         (self.images / "pagemap-7.img").write_bytes(pagemap(1, entries))
         (self.images / "mm-7.img").write_bytes(mm([(addr, addr + self.length)]))
-        (self.images / "pages-1.img").write_bytes(pages)
-        self.server = lp.Server(self.images, self.work, threads=3)
+        self.pages = pages
+        # ``landed``: the pages file is still being written (all zeros until land() says)
+        (self.images / "pages-1.img").write_bytes(pages if landed is None else bytes(len(pages)))
+        self.server = lp.Server(self.images, self.work, threads=3, landed=landed)
         self.server.listen()
         self.summary: dict | None = None
         self.error: BaseException | None = None
@@ -372,3 +374,65 @@ def test_fill_incomplete_reads_the_marker_and_the_servers_life(tmp_path: Path) -
     assert lp.fill_incomplete(marker)
     marker.write_text("garbage")
     assert not lp.fill_incomplete(marker)
+
+
+# -- pages files still being written (gpusnap.criu.landed) -----------------------------------
+def land(r: FakeRestore, ledger: "LandedPages", lo: int, hi: int) -> None:  # noqa: F821 - imported below
+    """The writer's part: bytes [lo, hi) of pages-1.img written, then reported."""
+    with open(r.images / "pages-1.img", "r+b") as f:
+        f.seek(lo)
+        f.write(r.pages[lo:hi])
+    ledger.add("pages-1.img", lo, hi - lo)
+
+
+def test_pages_still_being_written_are_copied_as_they_land_and_faults_wait_for_theirs(tmp_path: Path) -> None:
+    from gpusnap.criu.landed import LandedPages
+
+    npages = 4096  # 16 MiB
+    ledger = LandedPages(tmp_path / "landed.log")
+    r = FakeRestore(tmp_path, npages, lazy=[(0, npages)], hole=(0, 0), landed=ledger.path)
+    land(r, ledger, 0, 1000 * PAGE)
+    r.send_task()
+    r.finish()
+    # A page already in is served at once; one not yet written waits until it lands.
+    assert read_memory(r.addr + 10 * PAGE, PAGE) == r.data[10 * PAGE:11 * PAGE]
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(read_memory(r.addr + 3000 * PAGE, 2 * PAGE)), daemon=True)
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and not got, "a fault on a page not written yet was answered"
+    # A piece that ends inside a page: that page is not whole yet, so it is not copied.
+    land(r, ledger, 2900 * PAGE, 3000 * PAGE + 100)
+    reader.join(0.3)
+    assert reader.is_alive()
+    land(r, ledger, 3000 * PAGE + 100, 3100 * PAGE)
+    reader.join(10)
+    assert got == [r.data[3000 * PAGE:3002 * PAGE]]
+    # The rest lands out of order; then the writer says it is done.
+    for lo, hi in [(3100, npages), (1000, 2900)]:
+        land(r, ledger, lo * PAGE, hi * PAGE)
+    ledger.complete()
+    r.join()
+    assert r.error is None, r.error
+    assert read_memory(r.addr, r.length) == r.data
+    s = r.summary
+    assert s is not None and s["copied_bytes"] == npages * PAGE and s["deferred_faults"] >= 1
+    ledger.close()
+    libc.munmap(r.addr, r.length)
+
+
+def test_a_writer_that_fails_fails_the_server_with_its_reason(tmp_path: Path) -> None:
+    from gpusnap.criu.landed import LandedPages
+
+    ledger = LandedPages(tmp_path / "landed.log")
+    r = FakeRestore(tmp_path, 256, lazy=[(0, 256)], hole=(0, 0), landed=ledger.path)
+    land(r, ledger, 0, 64 * PAGE)
+    r.send_task()
+    r.finish()
+    ledger.fail("blob sha256:abc does not match its digest")
+    r.thread.join(30)
+    assert isinstance(r.error, lp.LazyPagesError)
+    assert "could not be written: blob sha256:abc does not match its digest" in str(r.error)
+    os.close(r.uffd)
+    ledger.close()
+    libc.munmap(r.addr, r.length)

@@ -39,7 +39,8 @@ class FakeApi:
         return SimpleNamespace(layers=[], form="criu-dir", container={}, created="", criu_version="", kernel="", arch="",
                                gpus=[], gpu_processes=[], sizes={"total": 1 << 20})
 
-    def materialize_checkpoint(self, store: Path, ref: str, dest: Path, *, form: str, staged: Any = None, cancel: Any = None) -> Path:
+    def materialize_checkpoint(self, store: Path, ref: str, dest: Path, *, form: str, staged: Any = None, cancel: Any = None,
+                               landed: Any = None) -> Path:
         tmp = dest.parent / ".partial"
         tmp.mkdir(parents=True)
         (tmp / "runc-direct.json").write_text("{}")
@@ -60,6 +61,8 @@ class FakeApi:
             shutil.rmtree(dest)
             raise self.fail
         (dest / "pages-1.img").write_bytes(b"p" * 4096)
+        if landed is not None:
+            landed.add("pages-1.img", 0, 4096)
         self.wrote_pages.set()
         return dest
 

@@ -180,3 +180,65 @@ def test_place_stream_writes_runs_of_pieces_with_one_call_and_verifies_each(tmp_
     finally:
         os.close(fd)
     assert calls == [] and (tmp_path / "x").stat().st_size == 0
+
+
+class Recorder:
+    """A lazy restore's ledger (gpusnap.criu.landed.LandedPages) that checks what it is told:
+    each range reported is already written, with the checkpoint's bytes."""
+
+    def __init__(self, dest: Path, want: dict[str, bytes]) -> None:
+        self.dest, self.want = dest, want
+        self.spans: list[tuple[str, int, int]] = []
+        self.asked_first = 0
+        self.mu = threading.Lock()
+
+    def add(self, name: str, offset: int, length: int) -> None:
+        for _ in range(3):  # the first stage may be renamed into place between the look and the open
+            partial = list(self.dest.parent.glob(f".{self.dest.name}.partial-*"))
+            root = partial[0] if partial and not self.dest.exists() else self.dest
+            try:
+                with open(root / name, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(length)
+                break
+            except FileNotFoundError:
+                continue
+        assert data == self.want[name][offset:offset + length], f"{name} at {offset} reported before it was written"
+        with self.mu:
+            self.spans.append((name, offset, length))
+
+    def first(self, images: Path) -> dict[str, list[tuple[int, int]]]:
+        from gpusnap.criu.landed import eager_ranges
+
+        self.asked_first += 1
+        return eager_ranges(images)
+
+
+def test_a_lazy_restore_is_told_every_range_of_the_pages_once_it_is_in(stored: tuple[Path, Path], tmp_path: Path) -> None:
+    from gpusnap.criu.landed import Intervals
+
+    src, store = stored
+    want = _files(src)
+    dest = tmp_path / "out"
+    rec = Recorder(dest, want)
+    api.materialize_checkpoint(store, "gs-pkg/staged", dest, form="criu-dir", staged=lambda: None, landed=rec)
+    assert rec.asked_first == 1
+    got = Intervals()
+    for name, off, length in rec.spans:
+        if name == "pages-1.img":  # LandedPages keeps only the pages files
+            got.add(off, off + length)
+    assert got.covers(0, len(want["pages-1.img"]))
+    assert (3 << 20, 4 << 20) in [(o, o + n) for _, o, n in rec.spans]  # the zero MiB: a hole, told at once
+
+
+def test_wanted_first_puts_the_blobs_crius_own_pages_are_in_first() -> None:
+    from gpusnap.packaging.store import Descriptor
+
+    def blob(i: int, *spans: tuple[str, int, int]) -> lay.BlobPlan:
+        return lay.BlobPlan(Descriptor("x", f"sha256:{i:064x}", 1), [lay.Placement(path, off, 0, n, n, False, None) for path, off, n in spans])
+
+    blobs = [blob(0, ("pages-1.img", 0, 100)), blob(1, ("pages-1.img", 100, 100)), blob(2, ("pages-2.img", 0, 50)), blob(3, ("pages-1.img", 200, 100))]
+    order = lay.wanted_first(blobs, {"pages-1.img": [(150, 160), (290, 300)], "pages-3.img": [(0, 10)]})
+    assert [b.descriptor.digest[-1] for b in order] == ["1", "3", "0", "2"]
+    assert lay.wanted_first(blobs, {}) == blobs
+    assert lay.written_spans(blob(9, ("b", 10, 5), ("a", 0, 4), ("a", 4, 4), ("a", 20, 1))) == [("a", 0, 8), ("a", 20, 1), ("b", 10, 5)]
