@@ -77,3 +77,42 @@ def test_a_lazy_restore_killed_with_its_server_leaves_a_container_marked_damaged
     gs("delete", name + "-r")
     ledger.record("fault", "kill -9 the lazy-pages server and gpusnap restore while it fills", tried=1, passed=1, lost=0,
                   detail="container marked damaged, checkpoint refused; the checkpoint itself unchanged")
+
+
+def test_pages_that_fail_their_check_after_criu_went_on_fail_the_restore_and_remove_the_container(lazy_gs: Gs, ledger) -> None:  # type: ignore[no-untyped-def]
+    """A pages blob of the store corrupt on disk: a lazy restore lets CRIU go once the pages it
+    copies itself are in, so the bad piece is met while CRIU restores or the process already
+    runs on the page server. The restore must still fail with the integrity error (its exit code, one line),
+    the container and the server must be gone, and the checkpoint restores once its blob is
+    whole again."""
+    from gpusnap.packaging.store import OciStore
+
+    gs = lazy_gs
+    name, ref, _ = checkpointed_big(gs, "lazyc")
+    store = OciStore(gs.store)
+    layers = store.manifest(store.resolve(ref).digest)["layers"]
+    packs = [d for d in layers if d["size"] >= 16 << 20]  # the 1 GiB of pages, in packs, in file order
+    assert len(packs) >= 8, [d["size"] for d in layers]
+    # Far into the pages (CRIU's own are at the end, fetched first): by then CRIU has most
+    # likely let the process go; if not yet, the server's failure fails CRIU's restore instead,
+    # and the outcome must be the same.
+    victim = store.blob_path(packs[2 * len(packs) // 3]["digest"])
+    with open(victim, "r+b") as f:
+        f.seek(5 << 20)
+        byte = f.read(1)
+        f.seek(5 << 20)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    try:
+        p = gs("restore", ref, "--name", name + "-r", "--lazy-pages", check=False)
+    finally:
+        with open(victim, "r+b") as f:
+            f.seek(5 << 20)
+            f.write(byte)
+    assert p.returncode == 9, (p.returncode, p.stderr)  # ExitCode.INTEGRITY
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert name + "-r" not in gs("ps").stdout
+    assert servers() == []
+    gs("restore", ref, "--name", name + "-r")
+    assert wait_lines(gs, name + "-r", lambda g: len(g) >= 2), "the restore of the mended checkpoint runs"
+    ledger.record("fault", "a pages blob fails its check after CRIU let the lazy restore go", tried=1, passed=1, lost=0,
+                  detail="restore failed (integrity, exit 9), container and page server gone, checkpoint restored once mended")
