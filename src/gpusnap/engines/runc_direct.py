@@ -689,7 +689,10 @@ class RuncDirectEngine(EngineBase):
             # "ok" once all is ready; with criu_before_pages, "rootfs" as soon as the root
             # filesystem is, and "pages" once the pages are whole (CRIU is held before it reads
             # them meanwhile: gpusnap.checkpoint.pages_hold); "stop" when either failed.
-            early = images_ready is not None and (self.settings.criu_before_pages or pages_landed is not None)
+            # Not with pages_landed: holding CRIU at setup-namespaces met a cgroup race on a GPU
+            # host (CRIU could not move the task into its cgroup: ENOENT, 2 demo restores of 4);
+            # runc starts once the pages CRIU copies itself are in, which takes a fraction of a second.
+            early = images_ready is not None and self.settings.criu_before_pages and pages_landed is None
             try:
                 beside.result()
                 if early:
