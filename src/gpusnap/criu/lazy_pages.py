@@ -1034,6 +1034,9 @@ class ServerProcess:
         summary["server_s"] = round(time.monotonic() - self.started, 3)
         return summary
 
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()

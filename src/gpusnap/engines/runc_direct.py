@@ -27,6 +27,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -568,19 +570,36 @@ class RuncDirectEngine(EngineBase):
             from gpusnap.criu.lazy_pages import LazyPagesError
 
             server = lazy.pop("server")
+            writer: Future[object] | None = None
             if following:
-                # The rest of the pages are still being written: the writer's own failure
-                # first (the server fails with it), and the runtime's time limit from there.
+                # The rest of the pages are still being written. Whichever ends first decides:
+                # the writer's failure (the server fails with it) is raised as the writer's own;
+                # a server that ends first is waited for at once (dead, it leaves the process
+                # reading zeros: the container must go now, not after the download).
                 assert images_ready is not None
                 lazy["server"] = server  # killed by the undo if the writer failed
                 started = time.perf_counter()
-                images_ready()
-                beside_times["pages written, after the restore"] = round(time.perf_counter() - started, 3)
+                writer = done = Future()
+
+                def wait_writer() -> None:
+                    try:
+                        done.set_result(images_ready())
+                    except BaseException as exc:  # noqa: BLE001 - raised below, on this thread
+                        done.set_exception(exc)
+
+                threading.Thread(target=wait_writer, name="gpusnap-pages-writer", daemon=True).start()
+                while not wait_futures([done], timeout=0.05).done and server.running():
+                    pass
+                if done.done():
+                    done.result()  # the writer's error, if it failed
+                    beside_times["pages written, after the restore"] = round(time.perf_counter() - started, 3)
                 lazy.pop("server")
             try:
                 summary = server.wait(RUNTIME_TIMEOUT_S)
             except LazyPagesError as exc:
                 raise RestoreError(f"{exc}; the container was removed, the checkpoint is unchanged: restore it again with --eager-pages") from None
+            if writer is not None:
+                writer.result()  # every page is in; the writer's last steps (the store's record) too
             lazy["summary"] = summary
             marker.unlink(missing_ok=True)  # the server's, done
             shutil.rmtree(lazy["work"], ignore_errors=True)

@@ -116,3 +116,78 @@ def test_pages_that_fail_their_check_after_criu_went_on_fail_the_restore_and_rem
     assert wait_lines(gs, name + "-r", lambda g: len(g) >= 2), "the restore of the mended checkpoint runs"
     ledger.record("fault", "a pages blob fails its check after CRIU let the lazy restore go", tried=1, passed=1, lost=0,
                   detail="restore failed (integrity, exit 9), container and page server gone, checkpoint restored once mended")
+
+
+PROXY_PORT = 5357  # this area's hostile servers: 5350-5359
+
+
+def test_a_page_server_killed_while_the_pull_stalls_removes_the_container_at_once(lazy_gs: Gs, registry, ledger) -> None:  # type: ignore[no-untyped-def]
+    """A lazy restore from a registry follows the pull (gpusnap.criu.landed): the process runs
+    while blobs still arrive. The page server killed then, with one pages blob stalled in the
+    registry: the container must be removed at once — not once the download ends — since its
+    missing pages now read zeros; the restore then fails (exit 7) and leaves nothing behind."""
+    import json as _json
+    import sys as _sys
+    from pathlib import Path as _Path
+
+    import requests
+
+    _sys.path.insert(0, str(_Path(__file__).resolve().parents[2] / "unit" / "reliability"))
+    from hostile_http import HostileServer, Reply, Seen  # noqa: E402
+
+    from gpusnap.packaging.store import OciStore
+    from integration.cli.test_lazy_pages import BIG, PYTHON, unique
+
+    gs = lazy_gs
+    name = unique("lazyp")
+    gs("run", name, "--rootfs-overlay", "/", "--", PYTHON, "-c", BIG)
+    assert ("parent", 1) in wait_lines(gs, name, lambda g: ("parent", 1) in g, timeout=120)
+    ref = f"{registry.host}/gs-rel/lazyp:v1"
+    local = _json.loads(gs("checkpoint", name, "--push", ref, "--insecure", "--json").stdout)["ref"]
+    gs("delete", name)
+    store = OciStore(gs.store)
+    packs = [d for d in store.manifest(store.resolve(local).digest)["layers"] if d["size"] >= 16 << 20]
+    victim = packs[2 * len(packs) // 3]["digest"]  # far from CRIU's own pages (at the end, fetched first)
+    stalled, release = threading.Event(), threading.Event()
+
+    def proxy(method: str, path: str, headers: dict[str, str]) -> Reply:
+        if victim in path and method == "GET":
+            stalled.set()
+            release.wait(120)
+            return Reply(500)
+        fwd = {k: v for k, v in headers.items() if k in ("accept", "range", "authorization")}
+        r = requests.request(method, f"http://{registry.host}{path}", headers=fwd, timeout=60)
+        keep = ("content-type", "docker-content-digest", "content-range", "location", "www-authenticate", "content-length")
+        return Reply(r.status_code, {k: v for k, v in r.headers.items() if k.lower() in keep}, r.content)
+
+    log_path = gs.root / "run" / "engine" / "containers" / (name + "-r") / "lazy-pages.log"
+    seen: list[Seen] = []
+    result: list[subprocess.CompletedProcess[str]] = []
+    with HostileServer("proxy", "127.0.0.1", PROXY_PORT, seen) as server:
+        server.script = proxy
+        restore = threading.Thread(target=lambda: result.append(
+            gs("restore", f"127.0.0.1:{PROXY_PORT}/gs-rel/lazyp:v1", "--insecure", "--name", name + "-r", "--lazy-pages", check=False)))
+        restore.start()
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (stalled.is_set() and log_path.is_file() and "restore finished" in log_path.read_text()):
+                time.sleep(0.01)
+            assert stalled.is_set() and "restore finished" in log_path.read_text(), "CRIU did not let the process go while a blob stalled"
+            killed = [ln for ln in servers()]
+            for ln in killed:
+                subprocess.run(["kill", "-9", ln.split()[0]], check=False)
+            assert killed
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 30 and name + "-r" in gs("ps").stdout:
+                time.sleep(0.2)
+            gone_after = time.monotonic() - t0
+            assert name + "-r" not in gs("ps").stdout, "the container outlived its page server while the pull stalled"
+            assert not release.is_set() and gone_after < 30
+        finally:
+            release.set()
+            restore.join(180)
+    assert result and result[0].returncode == 7, (result[0].returncode, result[0].stderr) if result else "no result"
+    assert "Traceback" not in result[0].stderr and len(result[0].stderr.strip().splitlines()) == 1, result[0].stderr
+    assert servers() == []
+    ledger.record("fault", "kill -9 the lazy-pages server while the pull it follows stalls", tried=1, passed=1, lost=0,
+                  detail=f"container removed {gone_after:.1f} s after the kill with the pull still stalled; restore failed (exit 7)")
