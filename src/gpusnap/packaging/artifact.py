@@ -766,12 +766,11 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
             wanted = [p for p in plan.placements if p.path in fds]
             if not wanted:
                 return 0
+            # Every piece of a v2 pack is checked by its own digest before it is written, so a
+            # lazy restore may copy each range as soon as it is (not only once the blob is done).
+            told = (lambda path, off, length: landed.add(infos[path].name, off, length)) if landed is not None else None
             with store.open_blob(plan.descriptor.digest) as blob:
-                n = lay.place_stream(lay.BlobPlan(plan.descriptor, wanted), blob, fds.__getitem__)
-            if landed is not None:
-                for path, off, length in lay.written_spans(lay.BlobPlan(plan.descriptor, wanted)):
-                    landed.add(infos[path].name, off, length)
-            return n
+                return lay.place_stream(lay.BlobPlan(plan.descriptor, wanted), blob, fds.__getitem__, told)
 
         def place_next() -> int:  # the next blob of the second stage, in the order of ``queue`` then
             with queue_mu:

@@ -81,6 +81,7 @@ MAX_CONFIG = 16 << 20
 ZERO_BLOCK = 64 << 10  # runs of zeros this long (aligned in the piece) are left as holes
 _ZEROS = bytes(ZERO_BLOCK)
 OUT_SIZE = 1 << 20  # zstd output handed to the file writer at a time
+REPORT_RUN = 4 << 20  # pieces written back to back are told to a lazy restore by runs of this size
 # Bytes received per read of a blob: the Python work per read (routing to pieces, the zero
 # scan, the pwrite call) is paid per buffer, and with many transfers on threads it is what they
 # queue for (the GIL); the socket reads, SHA-256 and pwrite themselves run without it.
@@ -318,11 +319,31 @@ class _BlobRouter:
     range to the pieces that cover it; checks the whole blob's digest and size at the end when
     the blob digest is what verifies its pieces."""
 
-    def __init__(self, bp: BlobPlan, fds: dict[str, int]) -> None:
+    def __init__(self, bp: BlobPlan, fds: dict[str, int], on_piece: Callable[[str, int, int], None] | None = None) -> None:
         self.bp, self.fds = bp, fds
         self.start, self.end = blob_span(bp)
         self.whole = any(p.sha256 is None for p in bp.placements) or not bp.placements
+        # Pieces checked by their own digest are in once written: told as they come (runs of
+        # them merged, up to REPORT_RUN), not at the blob's end (gpusnap.criu.landed).
+        self.on_piece = on_piece if not self.whole else None
+        self.run: list[Any] = []  # [path, offset, length] of the run not yet told
         self.reset(self.start)
+
+    def _written(self, pl: Placement) -> None:
+        if self.on_piece is None:
+            return
+        if self.run and self.run[0] == pl.path and self.run[1] + self.run[2] == pl.file_offset:
+            self.run[2] += pl.raw_length
+        else:
+            self.tell()
+            self.run = [pl.path, pl.file_offset, pl.raw_length]
+        if self.run[2] >= REPORT_RUN:
+            self.tell()
+
+    def tell(self) -> None:
+        if self.run and self.on_piece is not None:
+            self.on_piece(*self.run)
+        self.run = []
 
     def reset(self, start: int | None = None) -> None:
         """Start over, from blob offset ``start`` (a server that ignored a Range request sends
@@ -355,6 +376,7 @@ class _BlobRouter:
                 sink.feed(base, s - lo, e - lo)
             if end <= hi:
                 sink.finish()
+                self._written(sink.pl)
             else:
                 still.append(sink)
         self.active = still
@@ -758,7 +780,9 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
                 sink.file.close()
 
         def blob_job(bp: BlobPlan) -> None:
-            fetch.stream(bp.descriptor, _BlobRouter(bp, fds))
+            router = _BlobRouter(bp, fds, on_piece=landed.add if landed is not None else None)
+            fetch.stream(bp.descriptor, router)
+            router.tell()
 
         def reported(job: Callable[[BlobPlan], None]) -> Callable[[BlobPlan], None]:
             if landed is None:

@@ -329,7 +329,8 @@ def _run_end(ps: list[Placement], i: int) -> int:
     return j
 
 
-def place_stream(plan: BlobPlan, stream: Any, fd_for: Callable[[str], int]) -> int:
+def place_stream(plan: BlobPlan, stream: Any, fd_for: Callable[[str], int],
+                 on_written: Callable[[str, int, int], None] | None = None) -> int:
     """Read one blob sequentially from ``stream`` (anything with ``readinto``) and pwrite each of
     its placements, verified, into ``fd_for(path)`` at its offset. Bytes no placement needs
     (pieces of an older checkpoint sharing the pack) are read and dropped. Returns the raw bytes
@@ -337,7 +338,8 @@ def place_stream(plan: BlobPlan, stream: Any, fd_for: Callable[[str], int]) -> i
 
     Placements back to back in the blob and in their file (most of a pack: the pieces of one
     pages range) are read and written as one run (:func:`_run_end`); every piece of the run is
-    verified before any of it is written.
+    verified before any of it is written. ``on_written(path, offset, length)``: told of each
+    range once it is written (a lazy restore's page server copies it from then on).
     """
     pos = 0
     last: tuple[int, int, bytes | memoryview] | None = None  # (blob_offset, stored_length, raw) of the last piece
@@ -354,6 +356,8 @@ def place_stream(plan: BlobPlan, stream: Any, fd_for: Callable[[str], int]) -> i
                 raise IntegrityError(f"{p.path} at {p.file_offset}: duplicate placement disagrees on length; the artifact is corrupt")
             pwrite_all(fd_for(p.path), raw, p.file_offset)
             written += p.raw_length
+            if on_written is not None:
+                on_written(p.path, p.file_offset, p.raw_length)
             i += 1
             continue
         if p.blob_offset < pos:
@@ -380,7 +384,10 @@ def place_stream(plan: BlobPlan, stream: Any, fd_for: Callable[[str], int]) -> i
             last = (ps[j - 1].blob_offset, ps[j - 1].stored_length, raw)
             raw = data  # uncompressed: the run's raw bytes are its stored bytes, each piece verified above
         pwrite_all(fd_for(p.path), raw, p.file_offset)
-        written += sum(q.raw_length for q in ps[i:j]) if j > i + 1 else p.raw_length
+        n = sum(q.raw_length for q in ps[i:j]) if j > i + 1 else p.raw_length
+        written += n
+        if on_written is not None:
+            on_written(p.path, p.file_offset, n)
         i = j
     return written
 

@@ -256,3 +256,37 @@ def test_mapped_router_keeps_no_mapping_once_a_blob_is_done(tmp_path: Path) -> N
     out, _ = _receive_mapped(tmp_path, blob, pls, {"f": len(blob)}, step=50_000)
     assert out["f"] == blob
     assert str(tmp_path / "f") not in Path("/proc/self/maps").read_text()
+
+
+def test_router_tells_pieces_checked_by_their_own_digest_as_they_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lazy restore follows the pull (gpusnap.criu.landed): each v2 piece is told once it is
+    written and verified, runs of them merged (up to REPORT_RUN), not at the blob's end; a v1
+    blob (verified only by its whole digest) tells nothing before it ends."""
+    import gpusnap.packaging.fetch as fetch_mod
+
+    monkeypatch.setattr(fetch_mod, "REPORT_RUN", 250_000)
+    pieces = [os.urandom(100_000) for _ in range(4)]
+    blob = b"".join(pieces)
+    # File order: pieces 0, 1, 2 back to back, piece 3 apart (at the end, after a gap).
+    where = [0, 100_000, 200_000, 400_000]
+    pls = [Placement("f", where[i], i * 100_000, 100_000, 100_000, False, hashlib.sha256(p).digest()) for i, p in enumerate(pieces)]
+    fds = {"f": _create_sparse(tmp_path, "f", 500_000)}
+    told: list[tuple[str, int, int, bytes]] = []
+
+    def tell(path: str, off: int, n: int) -> None:
+        told.append((path, off, n, os.pread(fds["f"], n, off)))
+
+    router = _BlobRouter(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(blob), len(blob)), pls), fds, on_piece=tell)
+    try:
+        router.take(bytearray(blob[:150_000]), 150_000)
+        assert told == []  # piece 0 is written, the run may grow
+        router.take(bytearray(blob[150_000:]), len(blob) - 150_000)
+        router.finish()
+        router.tell()
+    finally:
+        os.close(fds["f"])
+    assert [(p, o, n) for p, o, n, _ in told] == [("f", 0, 300_000), ("f", 400_000, 100_000)]
+    assert told[0][3] == b"".join(pieces[:3]) and told[1][3] == pieces[3]  # written when told
+    v1 = _BlobRouter(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(blob), len(blob)),
+                              [Placement("f", 0, 0, len(blob), len(blob), False, None)]), {}, on_piece=tell)
+    assert v1.on_piece is None

@@ -58,10 +58,10 @@ def test_staged_puts_every_other_file_in_place_before_the_pages(stored: tuple[Pa
     seen: dict[str, bytes] = {}
     placed = lay.place_stream
 
-    def slow_pages(plan: lay.BlobPlan, stream: object, fd_for: object) -> int:
+    def slow_pages(plan: lay.BlobPlan, stream: object, fd_for: object, on_written: object = None) -> int:
         if all(p.path.startswith("pages-") for p in plan.placements):
             assert gate.wait(10), "the pages were placed before staged() was called"
-        return placed(plan, stream, fd_for)  # type: ignore[arg-type]
+        return placed(plan, stream, fd_for, on_written)  # type: ignore[arg-type]
 
     def staged() -> None:
         assert dest.is_dir()
@@ -81,10 +81,10 @@ def test_a_pages_failure_after_staged_leaves_nothing(stored: tuple[Path, Path], 
     _, store = stored
     placed = lay.place_stream
 
-    def bad_pages(plan: lay.BlobPlan, stream: object, fd_for: object) -> int:
+    def bad_pages(plan: lay.BlobPlan, stream: object, fd_for: object, on_written: object = None) -> int:
         if all(p.path.startswith("pages-") for p in plan.placements):
             raise IntegrityError("pages-1.img at 0: piece digest mismatch")
-        return placed(plan, stream, fd_for)  # type: ignore[arg-type]
+        return placed(plan, stream, fd_for, on_written)  # type: ignore[arg-type]
 
     monkeypatch.setattr(lay, "place_stream", bad_pages)
     calls: list[bool] = []
@@ -110,9 +110,9 @@ def test_without_staged_the_directory_appears_whole(stored: tuple[Path, Path], t
     placed = lay.place_stream
     dest = tmp_path / "out"
 
-    def check(plan: lay.BlobPlan, stream: object, fd_for: object) -> int:
+    def check(plan: lay.BlobPlan, stream: object, fd_for: object, on_written: object = None) -> int:
         assert not dest.exists()
-        return placed(plan, stream, fd_for)  # type: ignore[arg-type]
+        return placed(plan, stream, fd_for, on_written)  # type: ignore[arg-type]
 
     monkeypatch.setattr(lay, "place_stream", check)
     assert _files(api.materialize_checkpoint(store, "gs-pkg/staged", dest, form="criu-dir")) == _files(src)
