@@ -14,6 +14,10 @@ The ledger is a text file the restore appends to (one writer: the gpusnap proces
 server, another process, follows it). Lines: ``+ NAME OFFSET LENGTH`` (bytes of the file NAME,
 relative to the image directory, written and verified), ``=`` (every byte of every file is in),
 ``! REASON`` (the writer failed: nothing more will come).
+
+The other way, the page server appends ``NAME OFFSET`` to the ledger's ``.wanted`` file for
+every fault on a page not yet written, and the writer fetches the blob holding it next
+(:meth:`LandedPages.wanted`): what the process touches first comes first, not in file order.
 """
 
 from __future__ import annotations
@@ -91,6 +95,11 @@ def eager_ranges(images: Path) -> dict[str, list[tuple[int, int]]]:
     return {k: v for k, v in out.items() if v}
 
 
+def wanted_path(ledger: Path) -> Path:
+    """Where the page server asks for the pages its faults wait on."""
+    return ledger.with_name(ledger.name + ".wanted")
+
+
 @dataclass
 class LandedPages:
     """The writer's side, in the restoring process: :meth:`add` as ranges are written and
@@ -101,11 +110,33 @@ class LandedPages:
     _files: dict[str, Intervals] = field(default_factory=dict)
     _cv: threading.Condition = field(default_factory=threading.Condition)
     _fd: int = -1
+    _wanted_fd: int = -1
     done: bool = False
     failure: str | None = None
 
     def __post_init__(self) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        wanted = wanted_path(self.path)
+        wanted.write_bytes(b"")
+        os.chmod(wanted, 0o600)
+        self._wanted_fd = os.open(wanted, os.O_RDONLY | os.O_CLOEXEC)
+        self._wanted_rest = b""
+        self._wanted_mu = threading.Lock()
+
+    def wanted(self) -> list[tuple[str, int]]:
+        """(file name, offset) of the pages the page server asked for since the last call."""
+        with self._wanted_mu:
+            if self._wanted_fd < 0:
+                return []
+            data = self._wanted_rest + os.read(self._wanted_fd, 1 << 20)
+            cut = data.rfind(b"\n") + 1
+            self._wanted_rest = data[cut:]
+        out = []
+        for line in data[:cut].decode(errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].isdigit():
+                out.append((parts[0], int(parts[1])))
+        return out
 
     def _append(self, line: str) -> None:
         if self._fd >= 0:
@@ -137,6 +168,10 @@ class LandedPages:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+        with self._wanted_mu:
+            if self._wanted_fd >= 0:
+                os.close(self._wanted_fd)
+                self._wanted_fd = -1
 
     def first(self, images: Path) -> dict[str, list[tuple[int, int]]]:
         """What the writer should write first: the ranges CRIU copies itself (none where the

@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap.criu.landed import PAGES_NAME, Intervals, LedgerFollower
+from gpusnap.criu.landed import PAGES_NAME, Intervals, LedgerFollower, wanted_path
 from gpusnap.criu.pagemap import PAGE_SIZE, PagemapReader
 from gpusnap.criu.images import ImageFormatError, decode_message, read_entries
 
@@ -456,6 +456,13 @@ class Server:
         self.landed_mu = threading.Lock()
         self.landed_queue: deque[tuple[int, int, int]] = deque()  # (pages_id, offset, end), CHUNK at most
         self.deferred: list[tuple[Task, int]] = []  # faults on pages not in yet: (task, page)
+        self.asked: set[tuple[int, int]] = set()  # (pages_id, MiB) asked of the writer already
+        self.wanted_fd = -1
+        if landed is not None:  # the writer fetches what a fault waits for next
+            try:
+                self.wanted_fd = os.open(wanted_path(landed), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            except OSError:
+                self.wanted_fd = -1  # only an ordering hint: the pages come in file order then
 
     def say(self, text: str) -> None:
         if self.log is not None:
@@ -600,6 +607,21 @@ class Server:
             self.fail(f"reading the ledger of the pages being written: {exc}")
         finally:
             follower.close()
+
+    def ask_for(self, src: int) -> None:
+        """Tell the writer a fault waits for the page at ``src`` (once per MiB of a file)."""
+        where = self.files.locate(src)
+        if where is None or self.wanted_fd < 0:
+            return
+        pages_id, off = where
+        with self.landed_mu:
+            if (pages_id, off >> 20) in self.asked:
+                return
+            self.asked.add((pages_id, off >> 20))
+        try:
+            os.write(self.wanted_fd, f"pages-{pages_id}.img {off}\n".encode())
+        except OSError:
+            pass  # a hint only
 
     def retry_deferred(self) -> None:
         """Answer again the faults whose pages have landed since."""
@@ -854,6 +876,7 @@ class Server:
                 with self.landed_mu:
                     self.deferred.append((task, page))
                 self.count(deferred_faults=1)
+                self.ask_for(int(state["src"]))
                 return
             # In no lazy range, none in flight: a page never written before the dump (or one a
             # copy filled since the fault). Under the shared lock, as copies are.
@@ -926,6 +949,8 @@ class Server:
             except OSError:
                 pass
         self.files.close()
+        if self.wanted_fd >= 0:
+            os.close(self.wanted_fd)
         if self.failure is not None:
             raise LazyPagesError(self.failure)
         return {"tasks": len(tasks), "lazy_bytes": sum(t.total for t in tasks), **self.stats.to_dict(), **self.times,

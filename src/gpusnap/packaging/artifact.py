@@ -773,9 +773,7 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
                 return lay.place_stream(lay.BlobPlan(plan.descriptor, wanted), blob, fds.__getitem__, told)
 
         def place_next() -> int:  # the next blob of the second stage, in the order of ``queue`` then
-            with queue_mu:
-                plan = queue.pop()
-            return place(plan)
+            return place(queue.take())
 
         def finish(paths: list[str]) -> None:
             for p in paths:
@@ -789,7 +787,12 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
 
         late = {f.path for f in layout.files if f.role == lay.STAGED_ROLE and f.path in fds} if staged is not None else set()
         first, rest = lay.split_stages(layout.blobs, late)
-        queue, queue_mu = list(reversed(rest)), threading.Lock()  # the second stage, popped from the end
+        by_name = {infos[p].name: p for p in infos}  # the image directory's names, the layout's paths
+
+        def wanted() -> list[tuple[str, int]]:
+            return [(by_name[n], off) for n, off in landed.wanted() if n in by_name]
+
+        queue = lay.BlobQueue(rest, wanted if landed is not None else None)
         n = max(1, workers or os.cpu_count() or 1)
         with ThreadPoolExecutor(n, thread_name_prefix="gpusnap-place") as pool:
             try:
@@ -804,10 +807,7 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
                     os.replace(tmp, dest)
                     root = dest
                     if landed is not None:
-                        by_name = {infos[p].name: p for p in infos}
-                        wanted = {by_name[k]: v for k, v in landed.first(dest).items() if k in by_name}
-                        with queue_mu:
-                            queue[:] = reversed(lay.wanted_first(list(reversed(queue)), wanted))
+                        queue.put_first({by_name[k]: v for k, v in landed.first(dest).items() if k in by_name})
                     staged()
                 for fut in later:
                     fut.result()

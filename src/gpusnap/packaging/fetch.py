@@ -745,7 +745,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         chunk_names = set(fds)
         late = {f.path for f in pl.files if f.role == lay.STAGED_ROLE} if staged is not None else set()
         first, rest = lay.split_stages(pl.blobs, late)
-        queue, queue_mu = list(reversed(rest)), threading.Lock()  # the second stage, popped from the end
+        queue = lay.BlobQueue(rest, landed.wanted if landed is not None else None)
 
         def finish(files: list[lay.FileEntry]) -> None:
             for f in files:
@@ -766,9 +766,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
                 timings["all but the pages files"] = round(time.monotonic() - started, 3)
             assert staged is not None
             if landed is not None:
-                wanted = landed.first(dest)
-                with queue_mu:
-                    queue[:] = reversed(lay.wanted_first(list(reversed(queue)), wanted))
+                queue.put_first(landed.first(dest))
             staged()
 
         def tar_job(desc: Descriptor) -> None:
@@ -811,9 +809,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         near_job = reported(blob_job) if staged is not None else far_job
 
         def next_far() -> None:  # the next blob of the second stage, in the order of ``queue`` then
-            with queue_mu:
-                bp = queue.pop()
-            far_job(bp)
+            far_job(queue.take())
 
         jobs: list[Callable[[], None]] = [lambda d=d: tar_job(d) for d in pl.tar_layers]
         jobs += [lambda b=b: near_job(b) for b in first]

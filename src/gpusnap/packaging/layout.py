@@ -14,9 +14,11 @@ stored in pack blobs, several pieces per blob, each piece raw or one zstd frame.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -411,6 +413,53 @@ def split_stages(blobs: list[BlobPlan], late: set[str]) -> tuple[list[BlobPlan],
     first = [b for b in blobs if any(p.path not in late for p in b.placements)]
     rest = [b for b in blobs if all(p.path in late for p in b.placements)]
     return first, rest
+
+
+class BlobQueue:
+    """The second stage's blobs, handed out one at a time (``take``, from many threads) in an
+    order a lazy restore may change while they are written: the blobs holding CRIU's own pages
+    first (:meth:`put_first`, once they are known), and before each ``take`` the blobs holding
+    pages the restored process waits for (``wanted()``: (path, offset) pairs the page server
+    asked for, gpusnap.criu.landed), so what it touches first comes first."""
+
+    def __init__(self, blobs: list[BlobPlan], wanted: Callable[[], list[tuple[str, int]]] | None = None) -> None:
+        self.items = list(blobs)  # the next one first
+        self.wanted = wanted
+        self.mu = threading.Lock()
+        self.index: dict[str, tuple[list[int], list[tuple[int, BlobPlan]]]] = {}
+        if wanted is not None:
+            spans: dict[str, list[tuple[int, int, BlobPlan]]] = {}
+            for b in blobs:
+                for p in b.placements:
+                    spans.setdefault(p.path, []).append((p.file_offset, p.file_offset + p.raw_length, b))
+            for path, got in spans.items():
+                got.sort(key=lambda t: t[0])
+                self.index[path] = ([lo for lo, _, _ in got], [(hi, b) for _, hi, b in got])
+
+    def put_first(self, wanted: dict[str, list[tuple[int, int]]]) -> None:
+        with self.mu:
+            self.items = wanted_first(self.items, wanted)
+
+    def _holder(self, path: str, offset: int) -> BlobPlan | None:
+        found = self.index.get(path)
+        if found is None:
+            return None
+        k = bisect.bisect_right(found[0], offset) - 1
+        if k >= 0 and found[1][k][0] > offset:
+            return found[1][k][1]
+        return None
+
+    def take(self) -> BlobPlan:
+        asked = self.wanted() if self.wanted is not None else []
+        with self.mu:
+            for path, offset in reversed(asked):  # the first asked ends up in front
+                b = self._holder(path, offset)
+                if b is not None:
+                    for i, queued in enumerate(self.items):
+                        if queued is b:
+                            self.items.insert(0, self.items.pop(i))
+                            break
+            return self.items.pop(0)
 
 
 def written_spans(bp: BlobPlan) -> list[tuple[str, int, int]]:

@@ -401,6 +401,7 @@ def test_pages_still_being_written_are_copied_as_they_land_and_faults_wait_for_t
     reader.start()
     reader.join(0.5)
     assert reader.is_alive() and not got, "a fault on a page not written yet was answered"
+    assert ledger.wanted() == [("pages-1.img", 3000 * PAGE)]  # the writer is asked for it next
     # A piece that ends inside a page: that page is not whole yet, so it is not copied.
     land(r, ledger, 2900 * PAGE, 3000 * PAGE + 100)
     reader.join(0.3)

@@ -207,6 +207,9 @@ class Recorder:
         with self.mu:
             self.spans.append((name, offset, length))
 
+    def wanted(self) -> list[tuple[str, int]]:
+        return []
+
     def first(self, images: Path) -> dict[str, list[tuple[int, int]]]:
         from gpusnap.criu.landed import eager_ranges
 
@@ -242,3 +245,18 @@ def test_wanted_first_puts_the_blobs_crius_own_pages_are_in_first() -> None:
     assert [b.descriptor.digest[-1] for b in order] == ["1", "3", "0", "2"]
     assert lay.wanted_first(blobs, {}) == blobs
     assert lay.written_spans(blob(9, ("b", 10, 5), ("a", 0, 4), ("a", 4, 4), ("a", 20, 1))) == [("a", 0, 8), ("a", 20, 1), ("b", 10, 5)]
+
+
+def test_the_blob_queue_hands_out_first_what_the_restored_process_waits_for() -> None:
+    from gpusnap.packaging.store import Descriptor
+
+    def blob(i: int, off: int) -> lay.BlobPlan:
+        return lay.BlobPlan(Descriptor("x", f"sha256:{i:064x}", 1), [lay.Placement("pages-1.img", off, 0, 100, 100, False, None)])
+
+    blobs = [blob(i, i * 100) for i in range(6)]
+    asks = [[], [("pages-1.img", 450), ("pages-1.img", 320), ("other.img", 5)], [("pages-1.img", 40)], []]
+    q = lay.BlobQueue(blobs, lambda: asks.pop(0) if asks else [])
+    got = [q.take()]  # 0: in order
+    q.put_first({"pages-1.img": [(210, 220)]})  # CRIU's own pages: 2 next, then the rest in order
+    got += [q.take() for _ in range(5)]  # asked: 4 then 3 (in the order asked); 0 is out already
+    assert [b.placements[0].file_offset // 100 for b in got] == [0, 4, 3, 2, 1, 5]
