@@ -19,6 +19,7 @@ from gpusnap.errors import ExitCode, GpusnapError
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (2 ms on every create)
 if TYPE_CHECKING:
+    from concurrent.futures import Future
     from typing import Any
 
 
@@ -109,6 +110,24 @@ def _undo(completed: list[tuple[Step, StepRecord]]) -> tuple[list[str], list[tup
         except BaseException as exc:  # noqa: BLE001 - keep undoing the rest
             errors.append((step.name, exc))
     return undone, errors
+
+
+def background(fn: Callable[[], Any], name: str) -> "Future[Any]":
+    """Run ``fn`` on a thread of its own (a daemon: an exception is raised where the result is
+    read, and a failure elsewhere does not wait for it)."""
+    import threading
+    from concurrent.futures import Future
+
+    fut: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader of the result
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
 
 
 class Beside:

@@ -95,6 +95,34 @@ def eager_ranges(images: Path) -> dict[str, list[tuple[int, int]]]:
     return {k: v for k, v in out.items() if v}
 
 
+class LineTail:
+    """The whole lines appended to a file since the last call (a line cut in two by the
+    writer waits for its end): how each side reads what the other appends."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._rest = b""
+        self._mu = threading.Lock()
+
+    def lines(self) -> list[str]:
+        with self._mu:
+            if self._fd < 0:
+                return []
+            chunks = [self._rest]
+            while data := os.read(self._fd, 1 << 20):
+                chunks.append(data)
+            buf = b"".join(chunks)
+            cut = buf.rfind(b"\n") + 1
+            self._rest = buf[cut:]
+        return buf[:cut].decode(errors="replace").splitlines()
+
+    def close(self) -> None:
+        with self._mu:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
 def wanted_path(ledger: Path) -> Path:
     """Where the page server asks for the pages its faults wait on."""
     return ledger.with_name(ledger.name + ".wanted")
@@ -110,29 +138,20 @@ class LandedPages:
     _files: dict[str, Intervals] = field(default_factory=dict)
     _cv: threading.Condition = field(default_factory=threading.Condition)
     _fd: int = -1
-    _wanted_fd: int = -1
+    _asks: LineTail | None = None
     done: bool = False
     failure: str | None = None
 
     def __post_init__(self) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        wanted = wanted_path(self.path)
-        wanted.write_bytes(b"")
-        os.chmod(wanted, 0o600)
-        self._wanted_fd = os.open(wanted, os.O_RDONLY | os.O_CLOEXEC)
-        self._wanted_rest = b""
-        self._wanted_mu = threading.Lock()
+        os.close(os.open(wanted_path(self.path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+        self._asks = LineTail(wanted_path(self.path))
 
     def wanted(self) -> list[tuple[str, int]]:
         """(file name, offset) of the pages the page server asked for since the last call."""
-        with self._wanted_mu:
-            if self._wanted_fd < 0:
-                return []
-            data = self._wanted_rest + os.read(self._wanted_fd, 1 << 20)
-            cut = data.rfind(b"\n") + 1
-            self._wanted_rest = data[cut:]
+        assert self._asks is not None
         out = []
-        for line in data[:cut].decode(errors="replace").splitlines():
+        for line in self._asks.lines():
             parts = line.split()
             if len(parts) == 2 and parts[1].isdigit():
                 out.append((parts[0], int(parts[1])))
@@ -168,10 +187,8 @@ class LandedPages:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
-        with self._wanted_mu:
-            if self._wanted_fd >= 0:
-                os.close(self._wanted_fd)
-                self._wanted_fd = -1
+        if self._asks is not None:
+            self._asks.close()
 
     def first(self, images: Path) -> dict[str, list[tuple[int, int]]]:
         """What the writer should write first: the ranges CRIU copies itself (none where the
@@ -207,24 +224,12 @@ class LedgerFollower:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self._rest = b""
+        self._tail = LineTail(path)
 
     def read(self) -> list[tuple[str, str, int, int]]:
         """New entries: ("+", name, offset, length), ("=", "", 0, 0) or ("!", reason, 0, 0)."""
-        chunks = []
-        while True:
-            data = os.read(self._fd, 1 << 20)
-            if not data:
-                break
-            chunks.append(data)
-        if not chunks:
-            return []
-        buf = self._rest + b"".join(chunks)
-        cut = buf.rfind(b"\n") + 1
-        self._rest = buf[cut:]
         out: list[tuple[str, str, int, int]] = []
-        for raw in buf[:cut].decode(errors="replace").splitlines():
+        for raw in self._tail.lines():
             if raw.startswith("+ "):
                 parts = raw.split()
                 if len(parts) != 4:
@@ -239,4 +244,4 @@ class LedgerFollower:
         return out
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._tail.close()

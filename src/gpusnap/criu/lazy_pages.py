@@ -838,18 +838,18 @@ class Server:
         (addr,) = struct.unpack_from("<Q", msg, 16)
         self.count(faults=1)
         self.answer_page(task, addr & ~(PAGE_SIZE - 1))
+
+    def defer(self, task: Task, page: int, src: int) -> bool:
+        """Hold a fault until the page at ``src`` lands; False if it has landed meanwhile (then
+        answer it again). Checked and recorded under the lock the ledger follower adds ranges
+        under, before it retries the held faults: no fault is held past its page's landing."""
+        where = self.files.locate(src)
         with self.landed_mu:
-            if not self.deferred:
-                return
-            task_page = self.deferred[-1]
-        # A fault deferred just as its range landed would miss the ledger follower's retry:
-        # retried here too (outside the task's lock: answer_page takes it again).
-        last, page = task_page
-        with last.mu:
-            holder = last.pending.find(page)
-            src = None if holder is None else holder.src + (page - holder.start)
-        if src is not None and self.landed_run(src, PAGE_SIZE):
-            self.retry_deferred()
+            got = self.landed.get(where[0]) if where is not None else None
+            if self.landed_all or (got is not None and where is not None and got.covers(where[1], where[1] + PAGE_SIZE)):
+                return False
+            self.deferred.append((task, page))
+        return True
 
     def answer_page(self, task: Task, page: int) -> None:
         state: dict[str, int | bool] = {"wait": False}
@@ -868,22 +868,27 @@ class Server:
             task.cursor = iv.end  # the background goes on from there: readers go in order
             return iv
 
+        landed_meanwhile = False
         task.gate.acquire_shared()
         try:
             if self.copy_taken(task, choose, fault=True, gate=False) or state["wait"] or task.gone:
                 return
             if "src" in state:
-                with self.landed_mu:
-                    self.deferred.append((task, page))
-                self.count(deferred_faults=1)
-                self.ask_for(int(state["src"]))
-                return
-            # In no lazy range, none in flight: a page never written before the dump (or one a
-            # copy filled since the fault). Under the shared lock, as copies are.
-            err = uffd_zeropage(task.uffd, page, PAGE_SIZE)
+                if self.defer(task, page, int(state["src"])):
+                    self.count(deferred_faults=1)
+                    self.ask_for(int(state["src"]))
+                    return
+                landed_meanwhile = True
+                err = 0
+            else:
+                # In no lazy range, none in flight: a page never written before the dump (or
+                # one a copy filled since the fault). Under the shared lock, as copies are.
+                err = uffd_zeropage(task.uffd, page, PAGE_SIZE)
         finally:
             task.gate.release_shared()
-        if err == errno.EEXIST:
+        if landed_meanwhile:  # again, outside the task's lock (it is taken again)
+            self.answer_page(task, page)
+        elif err == errno.EEXIST:
             uffd_range(task.uffd, UFFDIO_WAKE, page, PAGE_SIZE)
         elif err in (errno.ESRCH, errno.ENOSPC, errno.ENOENT, errno.EAGAIN):
             if err == errno.EAGAIN:

@@ -43,7 +43,7 @@ from gpusnap.engines.registry import detect_form, engine_for_form, find_containe
 from gpusnap.errors import ExitCode, GpusnapError, MissingDependencyError, NotFoundError, UsageError
 from gpusnap.host.facts import HostFacts, gather, require_compatible
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata, GpuInfo, GpuProcess
-from gpusnap.steps import Step, StepFailed, run_steps
+from gpusnap.steps import Step, StepFailed, background, run_steps
 
 Progress = Callable[[str], None]
 
@@ -289,7 +289,7 @@ def checkpoint(
     if api is not None:
         # What the store and the push import (numpy, requests: a while the first time) loads
         # while the engine dumps, on a thread that costs the dump nothing (it waits on runc).
-        _background(lambda: _preload("gpusnap.packaging.pack", *(["gpusnap.packaging.registry"] if push else [])), name="gpusnap-import")
+        background(lambda: _preload("gpusnap.packaging.pack", *(["gpusnap.packaging.registry"] if push else [])), name="gpusnap-import")
     eng, info = find_container(container, engine, settings)
     if podman_image and eng.form != FORM_PODMAN_ARCHIVE:
         raise UsageError(f"--podman-image needs a podman container; {info.name} runs in {eng.name} (push it without --podman-image "
@@ -394,7 +394,7 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         if pipelined:
             # Made on a thread: the registry client's imports may still be loading (_preload),
             # and the dump need not wait for them; the first pack is ready seconds later.
-            ready = state["pipeline_ready"] = _background(start_pipeline, name="gpusnap-push-start")
+            ready = state["pipeline_ready"] = background(start_pipeline, name="gpusnap-push-start")
 
             def on_blob(desc: Any) -> None:
                 ready.result().on_blob(desc)
@@ -564,11 +564,11 @@ def restore(
     # The host's facts (CRIU's version, the GPUs through NVML: a driver call that can take a
     # while) are gathered beside the reading of the checkpoint; every check that uses them
     # still comes before anything is downloaded or CRIU starts.
-    facts_job = _background(lambda: gather(settings))
+    facts_job = background(lambda: gather(settings), "gpusnap-host-facts")
     if not path.exists():
         # gpusnap.packaging (requests, zstandard, cryptography...) takes a while to import the
         # first time: started now, it loads while the work dirs are swept.
-        _background(lambda: _import_packaging(settings, source), name="gpusnap-import")
+        background(lambda: _import_packaging(settings, source), name="gpusnap-import")
     # First, so that a checkpoint a killed run left is in the store before this looks there.
     recover_interrupted(settings, notice or progress)
     claimed = workdirs.claim(settings.state_dir / "tmp")
@@ -801,21 +801,6 @@ class _StageClock:
         result = job.result()
         self.lap(name)
         return result
-
-
-def _background(fn: Callable[[], Any], name: str = "gpusnap-host-facts") -> "Future[Any]":
-    """Run ``fn`` on a thread of its own (a daemon: an exception is raised where the result is
-    read, and a failure elsewhere does not wait for it)."""
-    fut: Future[Any] = Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the reader of the result
-            fut.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut
 
 
 def _refuse_plain(source: str) -> None:

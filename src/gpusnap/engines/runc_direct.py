@@ -55,7 +55,7 @@ from gpusnap.errors import (
 )
 from gpusnap.engines.upper import pack_upper, unpack_upper_apart
 from gpusnap.metadata import GATE_ALL, GATE_ENV, GATE_PAGES, GATE_ROOTFS, GATE_STOP, read_restore_timings
-from gpusnap.steps import Beside, Step, run_steps
+from gpusnap.steps import Beside, Step, background, run_steps
 
 NAME = "runc-direct"
 BUNDLE_RECORD = "runc-direct.json"
@@ -569,7 +569,7 @@ class RuncDirectEngine(EngineBase):
             # a process missing pages would get zeros where its memory was.
             from gpusnap.criu.lazy_pages import LazyPagesError
 
-            server = lazy.pop("server")
+            server = lazy["server"]  # killed by the undo while it is here
             writer: Future[object] | None = None
             if following:
                 # The rest of the pages are still being written. Whichever ends first decides:
@@ -577,23 +577,14 @@ class RuncDirectEngine(EngineBase):
                 # a server that ends first is waited for at once (dead, it leaves the process
                 # reading zeros: the container must go now, not after the download).
                 assert images_ready is not None
-                lazy["server"] = server  # killed by the undo if the writer failed
                 started = time.perf_counter()
-                writer = done = Future()
-
-                def wait_writer() -> None:
-                    try:
-                        done.set_result(images_ready())
-                    except BaseException as exc:  # noqa: BLE001 - raised below, on this thread
-                        done.set_exception(exc)
-
-                threading.Thread(target=wait_writer, name="gpusnap-pages-writer", daemon=True).start()
-                while not wait_futures([done], timeout=0.05).done and server.running():
+                writer = background(images_ready, "gpusnap-pages-writer")
+                while not wait_futures([writer], timeout=0.05).done and server.running():
                     pass
-                if done.done():
-                    done.result()  # the writer's error, if it failed
+                if writer.done():
+                    writer.result()  # the writer's error, if it failed
                     beside_times["pages written, after the restore"] = round(time.perf_counter() - started, 3)
-                lazy.pop("server")
+            lazy.pop("server")
             try:
                 summary = server.wait(RUNTIME_TIMEOUT_S)
             except LazyPagesError as exc:
@@ -722,12 +713,11 @@ class RuncDirectEngine(EngineBase):
                     started = time.perf_counter()
                     from gpusnap.criu.landed import LandedFailed
 
-                    assert images is not None
+                    assert images is not None and images_ready is not None
                     try:
                         pages_landed.wait_eager(images)
                     except LandedFailed as exc:
-                        if images_ready is not None:
-                            images_ready()  # the writer's own error
+                        images_ready()  # the writer's own error
                         raise RestoreError(f"the checkpoint's pages could not be written: {exc}") from None
                     times[WAIT_EAGER_PAGES] = round(time.perf_counter() - started, 3)
                 elif images_ready is not None:

@@ -755,10 +755,13 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
             fds[f.path] = fd
             os.ftruncate(fd, f.size)
             infos[f.path] = ti
-        if landed is not None:
+        # Every piece of a v2 pack is checked by its own digest before it is written, so a lazy
+        # restore may copy each range as soon as it is (not only once its blob is done).
+        told = (lambda path, off, length: landed.add(infos[path].name, off, length)) if landed is not None else None
+        if told is not None:
             for path, off, length in layout.zeros:  # holes from the start
                 if path in infos:
-                    landed.add(infos[path].name, off, length)
+                    told(path, off, length)
 
         def place(plan: lay.BlobPlan) -> int:
             if stop.is_set() or (cancel is not None and cancel.is_set()):
@@ -766,9 +769,6 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
             wanted = [p for p in plan.placements if p.path in fds]
             if not wanted:
                 return 0
-            # Every piece of a v2 pack is checked by its own digest before it is written, so a
-            # lazy restore may copy each range as soon as it is (not only once the blob is done).
-            told = (lambda path, off, length: landed.add(infos[path].name, off, length)) if landed is not None else None
             with store.open_blob(plan.descriptor.digest) as blob:
                 return lay.place_stream(lay.BlobPlan(plan.descriptor, wanted), blob, fds.__getitem__, told)
 
@@ -789,10 +789,10 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
         first, rest = lay.split_stages(layout.blobs, late)
         by_name = {infos[p].name: p for p in infos}  # the image directory's names, the layout's paths
 
-        def wanted() -> list[tuple[str, int]]:
+        def asked() -> list[tuple[str, int]]:  # the pages a lazy restore's faults wait on
             return [(by_name[n], off) for n, off in landed.wanted() if n in by_name]
 
-        queue = lay.BlobQueue(rest, wanted if landed is not None else None)
+        queue = lay.BlobQueue(rest, asked if landed is not None else None)
         n = max(1, workers or os.cpu_count() or 1)
         with ThreadPoolExecutor(n, thread_name_prefix="gpusnap-place") as pool:
             try:

@@ -392,6 +392,7 @@ class _BlobRouter:
             self.active.append(_PieceSink(pl, self.fds[pl.path]))
         for sink in self.active:
             sink.finish()
+            self._written(sink.pl)
 
 
 class FileMaps:
@@ -777,21 +778,22 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
             finally:
                 sink.file.close()
 
+        def tell_blob(bp: BlobPlan) -> None:  # all a blob wrote, once it is verified
+            if landed is not None:
+                for path, off, length in lay.written_spans(bp):
+                    landed.add(path, off, length)
+
         def blob_job(bp: BlobPlan) -> None:
             router = _BlobRouter(bp, fds, on_piece=landed.add if landed is not None else None)
             fetch.stream(bp.descriptor, router)
             router.tell()
+            if router.on_piece is None:  # verified only by the blob's digest: told now
+                tell_blob(bp)
 
-        def reported(job: Callable[[BlobPlan], None]) -> Callable[[BlobPlan], None]:
-            if landed is None:
-                return job
-
-            def run(bp: BlobPlan) -> None:
-                job(bp)
-                for path, off, length in lay.written_spans(bp):
-                    landed.add(path, off, length)
-
-            return run
+        def process_job(bp: BlobPlan) -> None:  # a transfer process tells nothing before it returns
+            assert pool is not None
+            pool.run(bp)
+            tell_blob(bp)
 
         # The blobs that transfer processes download, if any: the pages when staged (the first
         # stage is small and wanted soon), else all; the processes start now, while it runs.
@@ -805,8 +807,8 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
                                                      map_files=map_files)
             except OSError:  # no process to be had (fork refused, a pipe broken at once): all in this one, slower
                 pool = None
-        far_job = reported(pool.run if pool is not None else blob_job)
-        near_job = reported(blob_job) if staged is not None else far_job
+        far_job = process_job if pool is not None else blob_job
+        near_job = blob_job if staged is not None else far_job
 
         def next_far() -> None:  # the next blob of the second stage, in the order of ``queue`` then
             far_job(queue.take())
