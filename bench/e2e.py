@@ -761,6 +761,9 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
             last_ref, last_remote = j2.get("ref"), f"{remote}:2"
         else:
             r["skipped"].append("second checkpoint (not asked for this workload)")
+        for knob in CK_AB_KNOBS:
+            if getattr(env.args, f"ab_{knob}"):
+                r[f"checkpoint_ab_{knob}"] = ab_checkpoints(env, name, remote, 30 + 8 * gb(r["image_bytes"]), knob)
         wait_until(lambda: len(last_steps(env, name, store_b)) > len(steps) + 3, 300, "steps after the last checkpoint", 1.0)
         values.compare(last_steps(env, name, store_b))
         measure([*env.gpusnap, "delete", name], env=e_b).check()
@@ -852,6 +855,33 @@ AB_KNOBS = {
     "criu_before_pages": ("GPUSNAP_CRIU_BEFORE_PAGES", ("1", "0", "1"), ("CRIU started before the pages", "CRIU after the pages")),
     "lazy_pages": ("GPUSNAP_LAZY_PAGES", ("1", "0", "1", "0"), ("lazy pages (gpusnap's page server)", "eager pages (CRIU copies them)")),
 }
+
+
+CK_AB_KNOBS = {
+    # as AB_KNOBS, for `checkpoint --push` of the running workload
+    "store_nice": ("GPUSNAP_STORE_NICE", ("0", "10", "0", "10"), ("store and push beside the dump at nice 10", "at the command's own priority")),
+}
+
+
+def ab_checkpoints(env: Env, name: str, remote: str, cost: float, knob: str) -> list[dict[str, Any]]:
+    """``checkpoint --leave-running --push`` of the running workload with the setting ``knob``
+    in turn (CK_AB_KNOBS), each into an empty store and a repository of its own (nothing
+    dedups), after the measured ones: an A/B of that setting on this host."""
+    var, order, _ = CK_AB_KNOBS[knob]
+    rounds: list[dict[str, Any]] = []
+    on_value = order[1]
+    for i, val in enumerate(order):
+        if env.left() < cost:
+            break
+        store = env.work / f"store-abck-{knob}-{i}"
+        e = {**env.cli_env(store), var: val}
+        c = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{remote}-ab{i}:1", "--insecure", "--json"], env=e)
+        c.check()
+        t = c.json().get("timings_s", {})
+        rounds.append({knob: val == on_value, "value": val, "seconds": c.seconds, "timings_s": t})
+        say(f"A/B checkpoint --push, {knob}={val}: {c.seconds:.2f} s, of which checkpoint {t.get('checkpoint', 0):.2f} s; {t}")
+        shutil.rmtree(store, ignore_errors=True)
+    return rounds
 
 
 def ab_restores(env: Env, name: str, remote: str, values: "Values", timeout: float, cost: float, knob: str) -> list[dict[str, Any]]:
@@ -1013,6 +1043,15 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 if pull > 0:
                     row(f"  of which pull, command minus its restore step (~{gb(got):.2f} GB fetched)", pull,
                         f"{gb(got) / pull / http_down:.2f}x HTTP download floor" if http_down else "", rate_bytes=got)
+        for knob, (_, _, labels) in CK_AB_KNOBS.items():
+            ab = w.get(f"checkpoint_ab_{knob}") or []
+            for on, label in zip((True, False), labels):
+                got = [x for x in ab if x.get(knob) == on]
+                if got:
+                    med = statistics.median(x["seconds"] for x in got)
+                    med_ck = statistics.median(x["timings_s"].get("checkpoint", 0) for x in got)
+                    extra = f"{med / bare_ck:.2f}x by hand; its checkpoint step {med_ck:.2f} s = {med_ck / bare_ck:.2f}x" if bare_ck else ""
+                    row(f"A/B: checkpoint --push, {label} ({len(got)} rounds, median)", med, extra)
         for knob, (_, _, labels) in AB_KNOBS.items():
             # e2e.json files before AB_KNOBS kept the criu_before_pages rounds under "restore_registry_ab" (--report reads them).
             legacy = w.get("restore_registry_ab") if knob == "criu_before_pages" else None
@@ -1094,6 +1133,8 @@ def main() -> int:
                     help="after the restore from the registry, three more: CRIU started before the pages are whole (GPUSNAP_CRIU_BEFORE_PAGES=1), not, and again")
     ap.add_argument("--ab-lazy-pages", action="store_true",
                    help="after the restore from the registry, four more: lazy pages served by gpusnap (GPUSNAP_LAZY_PAGES=1), eager, lazy, eager")
+    ap.add_argument("--ab-store-nice", action="store_true",
+                    help="also checkpoint --push the running workload with the store's threads at nice 0 and 10 in turn (GPUSNAP_STORE_NICE)")
     ap.add_argument("--skip-ckdiff", action="store_true", help="no ckdiff between the two checkpoints (its diagnosis is in earlier runs; saves ~30 s on the GPU host)")
     ap.add_argument("--py-spy", help="py-spy binary: record both restores' CLI timelines (a diagnosis: they run slower so)")
     ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources the gpusnap command runs, and exit")

@@ -71,6 +71,10 @@ class Settings:
     # Whether a checkpoint whose engine dumps into gpusnap's own directory (runc-direct) is
     # stored, and pushed, while CRIU writes it (gpusnap.packaging.follow); false: after the dump.
     store_while_dumping: bool = True
+    # The nice value of the threads that store and push a checkpoint while CRIU dumps it
+    # (gpusnap.host.priority): they give the cores to the dump the user waits for. 0: as the
+    # gpusnap command itself.
+    store_nice: int = 10
     # Whether a runc-direct restore through gpusnap-runtime starts runc and CRIU before its
     # memory pages are whole, CRIU held before it reads them (gpusnap.checkpoint.pages_hold).
     # Off by default: on the VM it gained nothing (bench/results/criu-hold-vm-2026-11-25: CRIU
@@ -103,6 +107,7 @@ _ENV = {
     "GPUSNAP_SUBNET": "network_subnet",
     "GPUSNAP_NET_PREFIX": "network_prefix",
     "GPUSNAP_STORE_WHILE_DUMPING": "store_while_dumping",
+    "GPUSNAP_STORE_NICE": "store_nice",
     "GPUSNAP_CRIU_BEFORE_PAGES": "criu_before_pages",
     "GPUSNAP_FETCH_PROCESSES": "fetch_processes",
     "GPUSNAP_LAZY_PAGES": "lazy_pages",
@@ -135,6 +140,11 @@ def _coerce(name: str, value: object, source: str) -> object:
             return None
         if not text.isdigit() or int(text) > 64:
             raise UsageError(f"{source}: fetch_processes must be auto or a whole number from 0 to 64, got {value!r}")
+        return int(text)
+    if name == "store_nice":
+        text = str(value).strip()
+        if not text.isdigit() or int(text) > 19:
+            raise UsageError(f"{source}: store_nice must be a nice value from 0 to 19, got {value!r}")
         return int(text)
     if name == "lock_timeout_ms":
         try:

@@ -382,11 +382,11 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
                and getattr(eng, "DUMPS_INTO_DEST", False) and hasattr(api, "follow_checkpoint"))
     transfer: list[Any] = []
 
-    def start_pipeline() -> Any:
+    def start_pipeline(nice: int = 0) -> Any:
         cm = _transfer(progress, f"push {push}")
         bar = cm.__enter__()
         transfer.append(cm)
-        state["pipeline"] = api.start_push(settings.store_dir, push, insecure=insecure, progress=bar)
+        state["pipeline"] = api.start_push(settings.store_dir, push, insecure=insecure, progress=bar, nice=nice)
         return state["pipeline"]
 
     def follow() -> None:
@@ -394,11 +394,13 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         if pipelined:
             # Made on a thread: the registry client's imports may still be loading (_preload),
             # and the dump need not wait for them; the first pack is ready seconds later.
-            ready = state["pipeline_ready"] = background(start_pipeline, name="gpusnap-push-start")
+            # Its uploads give way to the dump, like the store's threads (gpusnap.host.priority).
+            ready = state["pipeline_ready"] = background(lambda: start_pipeline(settings.store_nice), name="gpusnap-push-start")
 
             def on_blob(desc: Any) -> None:
                 ready.result().on_blob(desc)
-        state["follower"] = api.follow_checkpoint(settings.store_dir, dest, compress=opts.compress, on_blob=on_blob)
+        state["follower"] = api.follow_checkpoint(settings.store_dir, dest, compress=opts.compress, on_blob=on_blob,
+                                                  nice=settings.store_nice)
 
     def unfollow() -> None:
         follower = state.pop("follower", None)

@@ -134,16 +134,19 @@ def store_checkpoint(
 
 
 def follow_checkpoint(store_dir: Path, directory: Path, *, compress: bool = False, parent: str | None = None,
-                      on_blob: Callable[[Descriptor], None] | None = None, workers: int | None = None) -> Any:
+                      on_blob: Callable[[Descriptor], None] | None = None, workers: int | None = None,
+                      nice: int = 0) -> Any:
     """Start packing the pages files CRIU writes into ``directory`` (a criu-dir checkpoint being
     dumped; it may not exist yet) while the dump runs. Pass it to :func:`store_checkpoint` once
     the dump succeeded, or call its ``abort()`` and ``close()`` if it failed. See
-    gpusnap.packaging.follow."""
+    gpusnap.packaging.follow. ``nice``: its threads' nice value, so that they give the cores to
+    the dump (gpusnap.host.priority)."""
     from gpusnap.packaging.follow import DumpFollower
 
     store = OciStore(Path(store_dir))
     parent_digest = store.resolve(parent).digest if parent else None
-    return DumpFollower(store, Path(directory), compress=compress, parent=parent_digest, on_blob=on_blob, workers=workers).start()
+    return DumpFollower(store, Path(directory), compress=compress, parent=parent_digest, on_blob=on_blob, workers=workers,
+                        nice=nice).start()
 
 
 def _store_checkpoint(store_dir: Path, source: Path, *, form: str, ref: str, metadata: CheckpointMetadata | dict[str, Any] | None,
@@ -591,13 +594,15 @@ def push(store_dir: Path, ref: str, remote: str, *, insecure: bool = False, prog
         store.untag(tmp_ref)
 
 
-def start_push(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None) -> Any:
+def start_push(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None,
+               nice: int = 0) -> Any:
     """A push that runs while the checkpoint is stored (``checkpoint --push``): pass its
     ``on_blob`` to :func:`store_checkpoint`, then call ``finish(ref)`` (the PushResult) or, if
-    the store failed, ``cancel()``. See gpusnap.packaging.registry.PipelinedPush."""
+    the store failed, ``cancel()``. See gpusnap.packaging.registry.PipelinedPush. ``nice``: its
+    upload threads' nice value (gpusnap.host.priority)."""
     from gpusnap.packaging.registry import PipelinedPush
 
-    return PipelinedPush(OciStore(Path(store_dir)), remote, insecure=insecure, progress=progress)
+    return PipelinedPush(OciStore(Path(store_dir)), remote, insecure=insecure, progress=progress, nice=nice)
 
 
 def open_remote(remote: str, *, insecure: bool = False) -> Any:

@@ -103,11 +103,12 @@ class DumpFollower:
 
     def __init__(self, store: OciStore, directory: Path, *, compress: bool, parent: str | None = None,
                  on_blob: Any = None, workers: int | None = None, params: Any = None,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, nice: int = 0) -> None:
         self.store, self.dir = store, Path(directory)
         self.compress, self.parent, self.on_blob, self.workers = compress, parent, on_blob, workers
         self.params = params  # pack.PackParams; None: the defaults, which build_artifact uses too
         self.poll_s = poll_s
+        self.nice = nice  # of this follower's thread and its writer's pools (gpusnap.host.priority)
         self.writer: Any = None  # pack.PackWriter, made on the follower's thread
         self.tracks: dict[int, _Track] = {}
         self.pagemaps: dict[int, str] = {}  # pages id → pagemap file name
@@ -131,12 +132,14 @@ class DumpFollower:
 
     def _run(self) -> None:
         try:
+            from gpusnap.host.priority import yield_cpu
             from gpusnap.packaging import pack as packing
 
+            yield_cpu(self.nice)
             self.params = self.params or packing.PackParams()
             known = packing.known_pieces(self.store, [self.parent] if self.parent else None)
             self.writer = packing.PackWriter(self.store, compress=self.compress, params=self.params, known=known,
-                                             on_blob=self.on_blob, workers=self.workers)
+                                             on_blob=self.on_blob, workers=self.workers, nice=self.nice)
             while not self._stop.is_set():
                 if not self._step(final=False):
                     self._stop.wait(self.poll_s)

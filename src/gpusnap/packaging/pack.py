@@ -41,6 +41,7 @@ import zstandard
 from pyfastcdc import FastCDC
 
 from gpusnap.errors import IntegrityError
+from gpusnap.host.priority import yield_cpu
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging.store import Descriptor, OciStore, PlacedBlobWriter
 
@@ -502,16 +503,19 @@ class PackWriter:
 
     def __init__(self, store: OciStore, *, compress: bool, params: PackParams = PackParams(),
                  known: KnownIndex | None = None, on_blob: Callable[[Descriptor], None] | None = None,
-                 workers: int | None = None) -> None:
+                 workers: int | None = None, nice: int = 0) -> None:
         self.store = store
         self.compress = compress
         self.p = params
         self.known = known if known is not None else KnownIndex()
         self.on_blob = on_blob
         self.workers = max(1, workers or os.cpu_count() or 1)
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack")
-        self.lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"gpusnap-pack-lane{i}") for i in range(LANES)]
-        self.sealers = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack-seal")
+        # ``nice``: the threads' nice value (gpusnap.host.priority), raised where the pack runs
+        # beside a dump.
+        lower = {"initializer": yield_cpu, "initargs": (nice,)} if nice > 0 else {}
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack", **lower)
+        self.lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"gpusnap-pack-lane{i}", **lower) for i in range(LANES)]
+        self.sealers = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack-seal", **lower)
         self.depth = self.workers + 2
         self.max_sealing = 2 * self.workers + 2  # packs hashed/flushed at once before the reads wait
         self.free: queue.Queue[_Buffer] = queue.LifoQueue()  # reuse warm windows; cold ones never cost memory

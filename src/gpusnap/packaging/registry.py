@@ -779,7 +779,7 @@ class PipelinedPush:
     """
 
     def __init__(self, store: OciStore, remote: str, *, insecure: bool = False, progress: Progress | None = None,
-                 client: RegistryClient | None = None) -> None:
+                 client: RegistryClient | None = None, nice: int = 0) -> None:
         self.store = store
         self.remote = remote
         self.target = RemoteRef.parse(remote)
@@ -788,7 +788,10 @@ class PipelinedPush:
         client = client or RegistryClient(self.target.registry, insecure=insecure)
         self._own_progress = progress is None
         self.sender = _BlobSender(store, client, self.target, progress or default_progress(f"push {self.target}"))
-        self._pool = ThreadPoolExecutor(max_workers=client.workers, thread_name_prefix="gpusnap-push")
+        from gpusnap.host.priority import yield_cpu
+
+        lower = {"initializer": yield_cpu, "initargs": (nice,)} if nice > 0 else {}
+        self._pool = ThreadPoolExecutor(max_workers=client.workers, thread_name_prefix="gpusnap-push", **lower)
         self._futures: list[Any] = []
         self._lock = threading.Lock()
         self._closed = False

@@ -257,3 +257,17 @@ def test_window_end_depends_on_no_cut_past_its_reach() -> None:
             break
         known = cuts[: reach + 1]  # what a follower knows: up to one final cut past the reach
         assert packing.window_end(known, i, per) == packing.window_end(cuts, i, per)
+
+
+def test_a_follower_packs_on_threads_that_give_way_to_the_dump(tmp_path: Path) -> None:
+    from gpusnap.host.priority import thread_nice
+
+    mine = thread_nice()
+    seen: set[int] = set()
+    follower = DumpFollower(OciStore(tmp_path / "s"), tmp_path / "dump", compress=False, poll_s=0.001, nice=mine + 6,
+                            on_blob=lambda d: seen.add(thread_nice())).start()
+    FakeCriu(tmp_path / "dump", pause_s=0).run()
+    api.store_checkpoint(tmp_path / "s", tmp_path / "dump", form="criu-dir", ref="local/x:1", follower=follower,
+                         on_blob=lambda d: None)
+    assert seen == {min(mine + 6, 19)}  # packs are committed (and their uploads queued) on the writer's threads
+    assert thread_nice() == mine
