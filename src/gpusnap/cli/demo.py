@@ -91,7 +91,7 @@ def run_demo(settings: Settings, name: str, keep: bool, say: Callable[[str], Non
             say(f"2/5 checkpointing it into {out_dir}")
             outcome = orchestrate.checkpoint(settings, name, engine="runc-direct", opts=CheckpointOptions(), output=out_dir)
         last = _numbers(engine.logs(info))[-1]
-        say(f"    stopped at {last}; checkpoint of {human_size(outcome.size)} taken in {sum(outcome.timings_s.values()):.2f}s")
+        say(f"    stopped at {last}; checkpoint of {human_size(outcome.size)} taken in {sum(v for k, v in outcome.timings_s.items() if ': ' not in k):.2f}s")
         say(f"3/5 deleting {name}")
         engine.remove(engine.get(name) or info)
         say(f"4/5 restoring it as {restored_name}")

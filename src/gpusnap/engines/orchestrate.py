@@ -310,6 +310,8 @@ def checkpoint(
 
 
 PREPARE_CHECKPOINT = "find the container, check the host"  # before any step (timings_s)
+# A step of the checkpoint; its phases are reported as "<step>: <phase>" (inside it, not laps).
+STORE_STEP = "store the checkpoint"
 
 
 def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerInfo, facts: HostFacts, *, opts: CheckpointOptions,
@@ -419,7 +421,8 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
             sealed["on_blob"] = state["pipeline"].on_blob
         try:
             stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"],
-                                          compress=opts.compress, follower=state.pop("follower", None), **sealed)
+                                          compress=opts.compress, follower=state.pop("follower", None),
+                                          timings=state.setdefault("store_phases", {}), **sealed)
         except BaseException:
             end_pipeline()
             raise
@@ -468,7 +471,7 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
     if output is not None:
         steps.append(Step("write the checkpoint", write_output))
     else:
-        steps.append(Step("store the checkpoint", store, unstore))
+        steps.append(Step(STORE_STEP, store, unstore))
         if push:
             steps.append(Step("push the checkpoint", do_push))
     try:
@@ -494,7 +497,8 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         podman_image=bool(push and podman_image),
         digest=str(getattr(stored, "digest", "") or ""),
         size=int(getattr(stored, "size", 0) or 0) if stored is not None else _path_size(output),
-        timings_s={**{r.name: round(r.seconds, 3) for r in records}, "remove the work dir": round(time.perf_counter() - cleanup, 3)},
+        timings_s={**{r.name: round(r.seconds, 3) for r in records}, "remove the work dir": round(time.perf_counter() - cleanup, 3),
+                   **{f"{STORE_STEP}: {k}": v for k, v in state.get("store_phases", {}).items()}},
         stored_while_dumping=int(state.get("while_dumping", 0)),
     )
     return outcome

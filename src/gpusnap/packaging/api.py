@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,10 @@ class ArtifactInfo:
         return asdict(self)
 
 
+# The phases of store_checkpoint (its ``timings``): what a checkpoint waits for after its dump.
+STORE_PHASES = ("finish what was stored while dumping", "pack the rest", "publish (durable, then visible)")
+
+
 def _check_form(form: str) -> None:
     if form not in fmt.FORMS:
         raise UsageError(f"unknown checkpoint form {form!r}; use one of {', '.join(fmt.FORMS)}")
@@ -110,6 +115,7 @@ def store_checkpoint(
     on_blob: Callable[[Descriptor], None] | None = None,
     workers: int | None = None,
     follower: Any = None,
+    timings: dict[str, float] | None = None,
 ) -> StoredCheckpoint:
     """Package a checkpoint (directory or podman archive) as an artifact tagged ``ref`` in the store.
 
@@ -124,10 +130,12 @@ def store_checkpoint(
     ``follower``: the :func:`follow_checkpoint` that watched ``source`` while it was dumped (with
     the same ``compress`` and ``on_blob``); it is finished here, or set aside if what it read does
     not match the finished files, and closed either way.
+    ``timings``: filled with the seconds of each phase (STORE_PHASES), for reports.
     """
     try:
         return _store_checkpoint(store_dir, source, form=form, ref=ref, metadata=metadata, compress=compress, parent=parent,
-                                 encryption=encryption, on_blob=on_blob, workers=workers, follower=follower)
+                                 encryption=encryption, on_blob=on_blob, workers=workers, follower=follower,
+                                 timings=timings if timings is not None else {})
     finally:
         if follower is not None:
             follower.close()
@@ -151,7 +159,8 @@ def follow_checkpoint(store_dir: Path, directory: Path, *, compress: bool = Fals
 
 def _store_checkpoint(store_dir: Path, source: Path, *, form: str, ref: str, metadata: CheckpointMetadata | dict[str, Any] | None,
                       compress: bool, parent: str | None, encryption: EncryptionConfig | None,
-                      on_blob: Callable[[Descriptor], None] | None, workers: int | None, follower: Any) -> StoredCheckpoint:
+                      on_blob: Callable[[Descriptor], None] | None, workers: int | None, follower: Any,
+                      timings: dict[str, float]) -> StoredCheckpoint:
     _check_form(form)
     source = Path(source)
     ref = normalize_ref(ref)
@@ -177,10 +186,13 @@ def _store_checkpoint(store_dir: Path, source: Path, *, form: str, ref: str, met
         if follower is not None:  # any other failure of finish() is aborted by close() in store_checkpoint
             from gpusnap.packaging.follow import FollowMismatch
 
+            t0 = time.perf_counter()
             try:
                 followed = follower.finish()
             except FollowMismatch:
                 follower.abort()  # what it read is not what CRIU left: store the finished files
+            timings[STORE_PHASES[0]] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
         try:
             built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest,
                                       on_blob=on_blob if encryption is None else None,
@@ -197,7 +209,10 @@ def _store_checkpoint(store_dir: Path, source: Path, *, form: str, ref: str, met
         except BaseException:
             store.discard_pending()
             raise
+        timings[STORE_PHASES[1]] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
         store.tag(ref, Descriptor(MEDIA_OCI_MANIFEST, manifest_digest, manifest_size, artifact_type=fmt.ARTIFACT_TYPE))
+        timings[STORE_PHASES[2]] = round(time.perf_counter() - t0, 3)
     if encryption is not None:
         store.gc()  # the plaintext blobs are garbage now: only ciphertext stays at rest
     total = built.manifest_size + built.config_size + sum(d.size for d in built.layers)

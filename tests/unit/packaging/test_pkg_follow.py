@@ -271,3 +271,14 @@ def test_a_follower_packs_on_threads_that_give_way_to_the_dump(tmp_path: Path) -
                          on_blob=lambda d: None)
     assert seen == {min(mine + 6, 19)}  # packs are committed (and their uploads queued) on the writer's threads
     assert thread_nice() == mine
+
+
+def test_store_reports_its_phases(tmp_path: Path) -> None:
+    FakeCriu(tmp_path / "dump", pause_s=0).run()
+    follower = DumpFollower(OciStore(tmp_path / "s"), tmp_path / "dump", compress=False).start()
+    phases: dict[str, float] = {}
+    api.store_checkpoint(tmp_path / "s", tmp_path / "dump", form="criu-dir", ref="local/x:1", follower=follower, timings=phases)
+    assert list(phases) == list(api.STORE_PHASES) and all(v >= 0 for v in phases.values())
+    plain: dict[str, float] = {}
+    api.store_checkpoint(tmp_path / "s2", tmp_path / "dump", form="criu-dir", ref="local/x:1", timings=plain)
+    assert list(plain) == list(api.STORE_PHASES[1:])  # nothing was followed
