@@ -2,7 +2,7 @@
 
 Layout (OCI image-layout 1.0): ``oci-layout``, ``index.json``, ``blobs/sha256/<hex>``, plus
 ``ingest/`` for blobs being written. A blob is written to ``ingest/``, hashed while written,
-made durable (its own fdatasync, or one syncfs for the whole operation), and only then renamed
+made durable (its own fdatasync, at publish if not before, or one syncfs for many), and only then renamed
 into ``blobs/`` if its digest matches what was expected: a blob that is visible is always whole
 and correct. Identical content (e.g. unchanged memory chunks of two checkpoints) lands on the
 same path and is stored once.
@@ -56,6 +56,12 @@ def _syncfs(path: Path) -> None:
 
 _SYNC_FILE_RANGE_WRITE = 2
 WRITEBACK_EVERY = 4 << 20  # a synced writer asks the kernel to start writing after this many bytes
+# publish flushes up to this many unsynced blobs (and bytes) one by one; more take one syncfs.
+# A checkpoint's packs are synced as they are sealed, which leaves a few small blobs (the tar
+# layers, piece table, config, manifest): a syncfs for those would also wait for every other
+# dirty byte on the filesystem (a training job's files, a registry on the same disk).
+SYNC_EACH_MAX = 32
+SYNC_EACH_MAX_BYTES = 256 << 20
 
 
 def _sync_file_range_fn() -> Any:
@@ -389,12 +395,12 @@ class OciStore:
     # ---- blobs --------------------------------------------------------------------------------
     # Verified blobs wait in ingest/ ("pending") until :meth:`publish`, which makes all of them
     # durable, then renames them into blobs/. A blob in blobs/ is therefore always whole,
-    # verified and on disk. Two ways to durability: a single-threaded writer (store_checkpoint)
-    # leaves its blobs unsynced and publish pays one syncfs for all of them (an fsync per blob
-    # in line would stall the chunker); parallel writers (pull) fdatasync each blob as it
-    # completes (``writer(sync=True)``), overlapping the flush with the other transfers, and
-    # publish then only renames (no syncfs, which would also flush unrelated dirty data on the
-    # same filesystem).
+    # verified and on disk. Two ways to durability: writers that run on several threads (a
+    # pull, the pack writer's sealers) fdatasync each blob as it completes (``writer(sync=True)``),
+    # overlapping the flush with the other work; a single-threaded writer (a v1 chunker, the
+    # small blobs of store_checkpoint) leaves its blobs unsynced (an fsync in line would stall
+    # it) and publish flushes them: one by one when they are few (SYNC_EACH_MAX), else with one
+    # syncfs, which also waits for unrelated dirty data on the same filesystem.
     def _add_pending(self, digest: str, path: Path, *, durable: bool = False) -> None:
         with self._pending_lock:
             if digest in self._pending:
@@ -417,7 +423,7 @@ class OciStore:
         if not pending:
             return
         if unsynced:
-            _syncfs(self.root)
+            self._make_durable([pending[d] for d in unsynced if d in pending])
         for digest, path in pending.items():
             final = self.blobs_dir / digest.split(":", 1)[1]
             if final.exists():
@@ -425,6 +431,24 @@ class OciStore:
             else:
                 os.replace(path, final)
         _fsync_dir(self.blobs_dir)
+
+    def _make_durable(self, paths: list[Path]) -> None:
+        try:
+            sizes = [p.stat().st_size for p in paths]
+        except OSError as exc:
+            raise _storage_error(exc, self.root) from None
+        if len(paths) > SYNC_EACH_MAX or sum(sizes) > SYNC_EACH_MAX_BYTES:
+            _syncfs(self.root)
+            return
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise _storage_error(exc, self.root) from None
 
     def discard_pending(self) -> None:
         """Drop every blob this store object wrote but did not publish (a failed operation)."""

@@ -134,8 +134,8 @@ def test_descriptor_size_must_be_a_non_negative_integer(size: object) -> None:
 
 
 def test_synced_blobs_are_published_without_syncfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """writer(sync=True) fdatasyncs each blob itself; publish then only renames. One unsynced
-    blob in the operation brings the filesystem-wide syncfs back."""
+    """writer(sync=True) fdatasyncs each blob itself; publish then only renames. A few unsynced
+    blobs are fdatasynced one by one at publish; more than SYNC_EACH_MAX take one syncfs."""
     import gpusnap.packaging.store as store_mod
 
     calls = {"syncfs": 0, "fdatasync": 0}
@@ -158,12 +158,16 @@ def test_synced_blobs_are_published_without_syncfs(tmp_path: Path, monkeypatch: 
     s.put_bytes(b"unsynced", sync=False)
     s.put_bytes(b"synced three", sync=True)
     s.publish()
-    assert calls == {"syncfs": 1, "fdatasync": 3}
+    assert calls == {"syncfs": 0, "fdatasync": 4}  # the unsynced one at publish
+    for i in range(store_mod.SYNC_EACH_MAX + 1):
+        s.put_bytes(b"many %d" % i, sync=False)
+    s.publish()
+    assert calls == {"syncfs": 1, "fdatasync": 4}
     s.put_bytes(b"after a discard", sync=False)
     s.discard_pending()
     s.put_bytes(b"synced four", sync=True)
     s.publish()
-    assert calls["syncfs"] == 1, "a discarded unsynced blob must not force a syncfs later"
+    assert calls == {"syncfs": 1, "fdatasync": 5}, "a discarded unsynced blob must not be synced later"
 
 
 def test_unbuffered_writer_completes_short_writes(tmp_path: Path) -> None:
