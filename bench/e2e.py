@@ -414,6 +414,7 @@ class BareContainer:
         self.bundle = self.dir / "bundle"
         self.readers: list[Reader] = []
         self.fds: list[int] = []
+        self.parts: dict[str, float] = {}
         self.mounted = False
 
     def _runc(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -468,15 +469,19 @@ class BareContainer:
         return p.returncode == 0 and json.loads(p.stdout).get("status") == "running"
 
     def checkpoint(self, images: Path, cuda: CudaDriver | None) -> float:
-        """Leave-running checkpoint, as ``gpusnap checkpoint --leave-running`` does it."""
+        """Leave-running checkpoint, as ``gpusnap checkpoint --leave-running`` does it; its parts
+        in ``self.parts``."""
         pid = self.pid()
         t0 = time.perf_counter()
         if cuda:
             cuda.lock_checkpoint(pid)
+        t1 = time.perf_counter()
         p = self._runc("checkpoint", "--leave-running", "--image-path", str(images), "--work-path", str(self.dir / "criu-work"), self.name)
+        t2 = time.perf_counter()
         if cuda:
             cuda.restore_unlock(pid)
         secs = time.perf_counter() - t0
+        self.parts = {"lock, GPU to host": round(t1 - t0, 3), "runc checkpoint": round(t2 - t1, 3), "host to GPU, unlock": round(t0 + secs - t2, 3)}
         if p.returncode:
             raise RuntimeError(f"runc checkpoint: {p.stderr.strip()[-1500:]}")
         return secs
@@ -649,6 +654,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
             stage = "checkpoint"
             shutil.rmtree(images, ignore_errors=True)
             cks.append(bare.checkpoint(images, env.cuda))
+            r.setdefault("bare_checkpoint_parts", []).append(bare.parts)
             r["image_bytes"] = tree_bytes(images)
             at = parse_steps(bare.output())[-1][0]
             # A few steps past the checkpoint, so that the restored run's steps can be compared.
@@ -980,6 +986,11 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 row(f"  floor: the store and the registry write {gb(written):.2f} GB to one disk", floor,
                     f"end to end = {ck1['seconds'] / max(floor, bare_ck or 0):.2f}x max(this, by hand)", rate_bytes=0)
             row("  of which checkpoint (CRIU + GPU)", t1.get("checkpoint"), f"{t1['checkpoint'] / bare_ck:.2f}x by hand" if bare_ck and t1.get("checkpoint") else "")
+            for key, secs in t1.items():  # the runtime's own steps, beside the by-hand parts
+                if key.startswith("checkpoint: runtime: "):
+                    row(f"    runtime: {key[len('checkpoint: runtime: '):]}", secs, rate_bytes=0)
+            for i, parts in enumerate(w.get("bare_checkpoint_parts", [])):
+                rows.append((f"    by hand, round {i + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()), "", "", "", ""))
             st = t1.get("store the checkpoint")
             early = int(ck1.get("stored_while_dumping") or 0)
             if early:

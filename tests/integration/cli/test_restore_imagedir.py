@@ -1,7 +1,7 @@
 """A restore writes its CRIU image directory on a tmpfs under the run dir when the image fits in
 free memory (engines/imagedir.py) — a huge-page tmpfs of its own, mounted there — unmounts and
-removes it afterwards, and the container counts on; the restore's --json timings name its
-stages."""
+removes it afterwards, and the container counts on; the checkpoint's and the restore's --json
+timings name their stages."""
 
 from __future__ import annotations
 
@@ -26,7 +26,10 @@ def test_restore_images_in_memory_then_gone(gs: Gs, registry: str, source: str) 
         gs("run", name, "--", "sh", "-c", COUNTER)
         wait_numbers(lambda: gs("logs", name).stdout, 3)
         ref = f"{registry}/{name}:v1"
-        gs("checkpoint", name, "--push", ref, "--insecure")
+        ck = json.loads(gs("checkpoint", name, "--push", ref, "--insecure", "--json").stdout)["timings_s"]
+        # The store's phases and the runtime's own steps are named inside their steps.
+        assert {"store the checkpoint: pack the rest", "store the checkpoint: publish (durable, then visible)",
+                "checkpoint: runtime: runc checkpoint"} <= set(ck), ck
         last = wait_numbers(lambda: gs("logs", name).stdout, 1)[-1]
         gs("delete", name)
         if source == "registry":
