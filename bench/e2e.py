@@ -986,9 +986,9 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 row(f"  floor: the store and the registry write {gb(written):.2f} GB to one disk", floor,
                     f"end to end = {ck1['seconds'] / max(floor, bare_ck or 0):.2f}x max(this, by hand)", rate_bytes=0)
             row("  of which checkpoint (CRIU + GPU)", t1.get("checkpoint"), f"{t1['checkpoint'] / bare_ck:.2f}x by hand" if bare_ck and t1.get("checkpoint") else "")
-            for key, secs in t1.items():  # the runtime's own steps, beside the by-hand parts
-                if key.startswith("checkpoint: runtime: "):
-                    row(f"    runtime: {key[len('checkpoint: runtime: '):]}", secs, rate_bytes=0)
+            for key, secs in t1.items():  # the engine's and the runtime's own parts, beside the by-hand parts
+                if key.startswith(("checkpoint: engine: ", "checkpoint: runtime: ")):
+                    row(f"    {key[len('checkpoint: '):]}", secs, rate_bytes=0)
             for i, parts in enumerate(w.get("bare_checkpoint_parts", [])):
                 rows.append((f"    by hand, round {i + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()), "", "", "", ""))
             st = t1.get("store the checkpoint")

@@ -98,15 +98,18 @@ def new_metadata(call: RuncCall, settings: Settings, criu: CriuInfo, ref: Contai
 
 
 def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) -> int:
-    """``runc checkpoint`` with the GPU plan around it; returns the exit status for the caller."""
-    state = runc_state(call.runc, call.inv.global_opts, call.container_id, call.env)
+    """``runc checkpoint`` with the GPU plan around it; returns the exit status for the caller.
+    What came before the steps is timed too (``before: …`` in the metadata's timings): with the
+    interpreter's start, it is what a checkpoint costs beyond the steps a user would take by hand."""
+    before = BeforeSteps()
+    state = before.time("runc state", lambda: runc_state(call.runc, call.inv.global_opts, call.container_id, call.env))
     if state is None:
         return _runc_reports(call)
-    criu = find_criu(settings)
-    plan = make_gpu_plan(settings) if plan is None else plan
+    criu = before.time("find CRIU", lambda: find_criu(settings))
+    plan = before.time("GPU backend", lambda: make_gpu_plan(settings)) if plan is None else plan
     ref = container_ref(state, settings.host)
     image_dir = call.image_dir()
-    meta = new_metadata(call, settings, criu, ref)
+    meta = before.time("metadata", lambda: new_metadata(call, settings, criu, ref))
     args, env = call.criu_args_env(criu)
     env = {**env, **criu_env(ref.annotations)}
 
@@ -119,6 +122,7 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
 
     freezer = runc_freezer(call.runc, call.inv.global_opts, call.container_id, call.env) if state.status == "paused" else None
     with operation_lock(settings, call.container_id):
+        healing = time.perf_counter()
         backend = getattr(plan, "backend", None)
         if backend is not None and not is_suspended(settings, call.container_id):
             # A run killed with SIGKILL cannot roll back; its GPU leftovers are healed here. Even
@@ -133,7 +137,32 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
                 raise
             if healed:
                 meta.extra["healed_before_checkpoint"] = healed
+        before.took("lock, look for leftovers of a killed run", time.perf_counter() - healing)
+        meta.timings_s.update(before.timings())
         return _checkpoint_steps(plan, ref, image_dir, meta, dump, freezer)
+
+
+class BeforeSteps:
+    """Times what a runtime call does before its steps, the interpreter's start and imports
+    first (process_age_s at the first call: nothing the process starts itself can see them)."""
+
+    def __init__(self) -> None:
+        self._age = process_age_s()
+        self._spent: dict[str, float] = {}
+
+    def time(self, what: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.took(what, time.perf_counter() - started)
+
+    def took(self, what: str, seconds: float) -> None:
+        self._spent[what] = round(seconds, 4)
+
+    def timings(self) -> dict[str, float]:
+        out = {"before: start-up and imports": round(self._age, 4)} if self._age is not None else {}
+        return {**out, **{f"before: {k}": v for k, v in self._spent.items()}}
 
 
 def _checkpoint_steps(plan: GpuPlan, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata, dump: Callable[[], None],

@@ -84,6 +84,7 @@ class EngineCheckpoint:
     path: Path  # a directory (criu-dir, docker-dir) or a file (podman-archive)
     image_dir: Path | None  # the CRIU image directory inside ``path`` when it is a directory
     container: ContainerInfo
+    timings_s: dict[str, float] = field(default_factory=dict)  # the engine's own parts of the dump, for reports
 
 
 class Engine(Protocol):

@@ -500,7 +500,8 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         timings_s={**{r.name: round(r.seconds, 3) for r in records}, "remove the work dir": round(time.perf_counter() - cleanup, 3),
                    **{f"{STORE_STEP}: {k}": v for k, v in state.get("store_phases", {}).items()},
                    # what the runtime recorded of its own steps (GPU lock, copy to host, runc checkpoint, …)
-                   **{f"checkpoint: runtime: {k}": round(v, 3) for k, v in state["meta"].timings_s.items()}},
+                   **{f"checkpoint: runtime: {k}": round(v, 3) for k, v in state["meta"].timings_s.items()},
+                   **{f"checkpoint: engine: {k}": round(v, 3) for k, v in getattr(state.get("cp"), "timings_s", {}).items()}},
         stored_while_dumping=int(state.get("while_dumping", 0)),
     )
     return outcome

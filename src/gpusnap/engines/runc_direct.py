@@ -756,6 +756,15 @@ class RuncDirectEngine(EngineBase):
             raise NotFoundError(f"no runc-direct container {container.name}; `gpusnap ps` lists them")
         if not self.is_running(container):
             raise CheckpointError(f"{container.name} is not running ({container.status}); only running containers can be checkpointed")
+        timings: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def lap(what: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            timings[what] = round(now - clock, 4)
+            clock = now
+
         spec_path = self.container_dir(rec.name) / "bundle" / "config.json"
         skip_lock = skips_network_lock(json.loads(spec_path.read_text()).get("annotations", {}))
         if skip_lock and self.runtime_name() == "gpusnap-runtime":
@@ -770,6 +779,7 @@ class RuncDirectEngine(EngineBase):
         # The record first: if gpusnap dies while runc dumps, runc and CRIU finish without it,
         # and the next run can only store what it finds here (complete_interrupted).
         self._write_portable_record(rec, dest)
+        lap("check the container and its network, write its record")
         # CRIU's work files go with the images: its stats-dump, written only when a dump
         # succeeded, then tells a run that finds them after this one died that they are whole.
         args = ["checkpoint", "--image-path", str(dest), "--work-path", str(dest)]
@@ -778,6 +788,7 @@ class RuncDirectEngine(EngineBase):
         if opts.tcp_established:
             args.append("--tcp-established")
         proc = self._runtime(*args, rec.name)
+        lap(f"{self.runtime_name()} checkpoint")
         if proc.returncode != 0:
             logs = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name)))
             for log in dest.glob("*.log"):  # kept for the user; the images go
@@ -789,7 +800,8 @@ class RuncDirectEngine(EngineBase):
             still = "still runs" if self.is_running(container) else "is no longer running"
             raise CheckpointError(f"could not checkpoint {rec.name}: {detail}; the container {still} (CRIU logs: {logs})")
         self._after_dump(rec, dest, leave_running=opts.leave_running)
-        return EngineCheckpoint(form=self.form, path=dest, image_dir=dest, container=container)
+        lap("pack the writable layer" if rec.rootfs == OVERLAY_ROOTFS else "after the dump")
+        return EngineCheckpoint(form=self.form, path=dest, image_dir=dest, container=container, timings_s=timings)
 
     def _write_portable_record(self, rec: RuncDirectRecord, dest: Path) -> None:
         spec = json.loads((self.container_dir(rec.name) / "bundle" / "config.json").read_text())

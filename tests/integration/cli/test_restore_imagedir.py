@@ -29,7 +29,8 @@ def test_restore_images_in_memory_then_gone(gs: Gs, registry: str, source: str) 
         ck = json.loads(gs("checkpoint", name, "--push", ref, "--insecure", "--json").stdout)["timings_s"]
         # The store's phases and the runtime's own steps are named inside their steps.
         assert {"store the checkpoint: pack the rest", "store the checkpoint: publish (durable, then visible)",
-                "checkpoint: runtime: runc checkpoint"} <= set(ck), ck
+                "checkpoint: runtime: runc checkpoint", "checkpoint: runtime: before: start-up and imports",
+                "checkpoint: engine: gpusnap-runtime checkpoint", "checkpoint: engine: after the dump"} <= set(ck), ck
         last = wait_numbers(lambda: gs("logs", name).stdout, 1)[-1]
         gs("delete", name)
         if source == "registry":

@@ -96,7 +96,13 @@ def test_checkpoint_runs_plan_around_runc(rig, tmp_path: Path) -> None:
     assert dump.startswith(f"--criu {criu} --root /r checkpoint --leave-running --image-path img c1 PATH={criu.parent}:/usr/bin:/bin")
     meta = CheckpointMetadata.read(tmp_path / "img")
     assert meta is not None and meta.criu_version == "4.1.1" and meta.runc_version == "9.9.9" and meta.leave_running
-    assert set(meta.timings_s) == {"gpu lock", "gpu checkpoint", "runc checkpoint", "gpu after dump leave_running=True"}
+    steps = {k for k in meta.timings_s if not k.startswith("before: ")}
+    assert steps == {"gpu lock", "gpu checkpoint", "runc checkpoint", "gpu after dump leave_running=True"}
+    # what came before the steps, named (the plan was given: no GPU backend to load)
+    assert {k for k in meta.timings_s if k.startswith("before: ")} == {
+        "before: start-up and imports", "before: runc state", "before: find CRIU", "before: metadata",
+        "before: lock, look for leftovers of a killed run"}
+    assert all(v >= 0 for v in meta.timings_s.values())
 
 
 def test_failed_runc_checkpoint_rolls_back_gpu_and_keeps_runc_status(rig, tmp_path: Path) -> None:
