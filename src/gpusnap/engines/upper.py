@@ -16,18 +16,38 @@ import sys
 import tarfile
 from pathlib import Path
 
-from gpusnap.errors import RestoreError
+from gpusnap.errors import CheckpointError, RestoreError
 
 COPY_BUFSIZE = 1 << 20  # tarfile copies member data in chunks of this size (its default: 16 KiB)
+PACK_TAR_VERSION = (1, 28)  # GNU tar's --sort=name (and --no-xattrs) came in 1.28
 
 
-def pack_upper(upper: Path, archive: Path) -> None:
+def pack_upper(upper: Path, archive: Path, *, tar_binary: str | None = "auto") -> None:
     """The overlay's writable layer as a tar. It must travel with the checkpoint: CRIU's
     link-remap files (hard links it makes at dump for open files it cannot reach by path, e.g.
-    an interpreter seen through the overlay) land there, and the restore opens them."""
-    with tarfile.open(archive, "w", copybufsize=COPY_BUFSIZE) as tar:
-        for entry in sorted(upper.iterdir()):
-            tar.add(entry, arcname=entry.name)
+    an interpreter seen through the overlay) land there, and the restore opens them.
+
+    GNU tar packs it where there is one (``tar_binary`` as for :func:`unpack_upper`): it is on
+    the checkpoint's critical path, right after the dump, and the H100 server's layer (its
+    torch.compile and Triton caches) took 1.79 s through tarfile, a quarter of the dump. The
+    archive is the same either way in what matters: members named from the layer's root, in
+    name order (so an unchanged layer packs to the same bytes and dedups), numeric owners, GNU
+    format (no per-file access times), no extended attributes. A file the running container
+    changes while it is read is taken as read (GNU tar's exit status 1), as tarfile did.
+    """
+    names = sorted(entry.name for entry in upper.iterdir())
+    gnu = _gnu_tar(PACK_TAR_VERSION) if tar_binary == "auto" else tar_binary
+    if gnu is None or not names:  # GNU tar refuses to make an empty archive
+        with tarfile.open(archive, "w", format=tarfile.GNU_FORMAT, copybufsize=COPY_BUFSIZE) as tar:
+            for name in names:
+                tar.add(upper / name, arcname=name)
+        return
+    proc = subprocess.run([gnu, "-c", "-f", str(archive), "-C", str(upper), "--format=gnu", "--sort=name", "--numeric-owner",
+                           "--no-xattrs", "--", *names], capture_output=True, text=True, check=False)
+    if proc.returncode not in (0, 1):
+        archive.unlink(missing_ok=True)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        raise CheckpointError(f"cannot pack the writable layer {upper}: {lines[-1] if lines else f'tar exit {proc.returncode}'}")
 
 
 def unpack_upper(archive: Path, upper: Path, *, tar_binary: str | None = "auto") -> None:
@@ -66,8 +86,9 @@ def _check_member(archive: Path, m: tarfile.TarInfo) -> None:
         raise RestoreError(f"{archive}: entry {m.name!r} is a device file, not an overlay whiteout; refusing it")
 
 
-def _gnu_tar() -> str | None:
-    """GNU tar's path, or None (busybox's and bsdtar's options and safeguards differ)."""
+def _gnu_tar(at_least: tuple[int, ...] = ()) -> str | None:
+    """GNU tar's path, or None (busybox's and bsdtar's options and safeguards differ), also
+    when it is older than ``at_least``."""
     tar = shutil.which("tar")
     if tar is None:
         return None
@@ -75,7 +96,14 @@ def _gnu_tar() -> str | None:
         out = subprocess.run([tar, "--version"], capture_output=True, text=True, check=False, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return tar if "GNU tar" in out else None
+    first = out.splitlines()[0] if out else ""
+    if "GNU tar" not in first:
+        return None
+    try:
+        version = tuple(int(x) for x in first.split()[-1].split("."))
+    except ValueError:
+        return None if at_least else tar
+    return tar if version >= at_least else None
 
 
 def unpack_upper_apart(archive: Path, upper: Path) -> None:

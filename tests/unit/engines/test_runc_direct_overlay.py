@@ -164,3 +164,62 @@ def test_unpack_apart_is_the_same_unpack_in_a_child(tmp_path: Path) -> None:
     with pytest.raises(RestoreError, match="outside the root filesystem"):
         unpack_upper_apart(bad, tmp_path / "out2")
     assert list((tmp_path / "out2").iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tar") is None, reason="owners as packed need root; GNU tar")
+def test_gnu_tar_and_tarfile_pack_the_same_members(tmp_path: Path) -> None:
+    """GNU tar packs the layer (fast) where there is one, tarfile elsewhere: the same members,
+    named from the layer's root, in name order, with the same owners, modes, links and data;
+    and an unchanged layer packs to the same bytes (dedup across checkpoints)."""
+    upper = tmp_path / "upper"
+    (upper / "tmp" / "torchinductor" / "b").mkdir(parents=True)
+    for i in range(50):
+        (upper / "tmp" / "torchinductor" / "b" / f"k{i:02d}.py").write_text(f"x = {i}\n")
+    (upper / "usr").mkdir()
+    (upper / "usr" / "link_remap.7").write_bytes(os.urandom(70_000))
+    os.link(upper / "usr" / "link_remap.7", upper / "usr" / "hard")
+    os.symlink("../usr/link_remap.7", upper / "tmp" / "alias")
+    os.chown(upper / "tmp" / "torchinductor" / "b" / "k07.py", 4321, 4322)
+    os.mknod(upper / "gone", 0o600 | stat.S_IFCHR, os.makedev(0, 0))
+
+    def members(archive: Path) -> list[tuple]:
+        with tarfile.open(archive) as tar:
+            return [(m.name, m.type, m.mode, m.uid, m.gid, m.linkname, m.size,
+                     tar.extractfile(m).read() if m.isreg() else b"") for m in tar.getmembers()]
+
+    gnu, py, again = tmp_path / "gnu.tar", tmp_path / "py.tar", tmp_path / "again.tar"
+    pack_upper(upper, gnu)
+    pack_upper(upper, py, tar_binary=None)
+    pack_upper(upper, again)
+    assert members(gnu) == members(py)
+    names = [m[0].rstrip("/") for m in members(gnu)]
+    assert names[0] == "gone" and "tmp/torchinductor/b/k07.py" in names and not any(n.startswith(("/", "./")) for n in names)
+    assert gnu.read_bytes() == again.read_bytes()
+    out = tmp_path / "out"
+    out.mkdir()
+    unpack_upper(gnu, out)
+    assert (out / "usr" / "hard").read_bytes() == (upper / "usr" / "link_remap.7").read_bytes()
+    assert os.stat(out / "usr" / "hard").st_ino == os.stat(out / "usr" / "link_remap.7").st_ino
+    assert os.stat(out / "tmp" / "torchinductor" / "b" / "k07.py").st_uid == 4321
+
+
+def test_an_empty_layer_packs_to_an_empty_archive(tmp_path: Path) -> None:
+    (tmp_path / "upper").mkdir()
+    pack_upper(tmp_path / "upper", tmp_path / "a.tar")
+    with tarfile.open(tmp_path / "a.tar") as tar:
+        assert tar.getmembers() == []
+
+
+def test_a_failing_pack_is_one_line_and_leaves_no_archive(tmp_path: Path) -> None:
+    from gpusnap.errors import CheckpointError
+
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    (upper / "f").write_text("x")
+    archive = tmp_path / "a.tar"
+    tar = tmp_path / "tar"  # a tar that starts writing, then fails as GNU tar does (status 2)
+    tar.write_text('#!/bin/sh\necho partial > "$3"\necho "tar: f: Cannot open: Input/output error" >&2\nexit 2\n')
+    tar.chmod(0o755)
+    with pytest.raises(CheckpointError, match="cannot pack the writable layer .*: tar: f: Cannot open: Input/output error$") as info:
+        pack_upper(upper, archive, tar_binary=str(tar))
+    assert "\n" not in str(info.value) and not archive.exists()
