@@ -53,7 +53,8 @@ from gpusnap.errors import (
     RestoreError,
     UsageError,
 )
-from gpusnap.engines.upper import pack_upper, unpack_upper_apart
+from gpusnap.engines.upper import EarlyPack, pack_upper, unpack_upper_apart
+from gpusnap.engines.workdirs import DUMP_DONE
 from gpusnap.metadata import GATE_ALL, GATE_ENV, GATE_PAGES, GATE_ROOTFS, GATE_STOP, read_restore_timings
 from gpusnap.steps import Beside, Step, background, run_steps
 
@@ -787,8 +788,18 @@ class RuncDirectEngine(EngineBase):
             args.append("--leave-running")
         if opts.tcp_established:
             args.append("--tcp-established")
-        proc = self._runtime(*args, rec.name)
+        early = None
+        if rec.rootfs == OVERLAY_ROOTFS:  # packed once CRIU is done, beside what the runtime does after it
+            early = EarlyPack(overlay_paths(self.container_dir(rec.name))[0] / "upper", dest / UPPER_ARCHIVE, dest / DUMP_DONE).start()
+        try:
+            proc = self._runtime(*args, rec.name)
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
         lap(f"{self.runtime_name()} checkpoint")
+        if proc.returncode != 0 and early is not None:
+            early.cancel()
         if proc.returncode != 0:
             logs = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name)))
             for log in dest.glob("*.log"):  # kept for the user; the images go
@@ -799,8 +810,12 @@ class RuncDirectEngine(EngineBase):
             shutil.rmtree(dest, ignore_errors=True)
             still = "still runs" if self.is_running(container) else "is no longer running"
             raise CheckpointError(f"could not checkpoint {rec.name}: {detail}; the container {still} (CRIU logs: {logs})")
-        self._after_dump(rec, dest, leave_running=opts.leave_running)
-        lap("pack the writable layer" if rec.rootfs == OVERLAY_ROOTFS else "after the dump")
+        try:
+            packed = early is not None and early.finish()
+        except (CheckpointError, OSError):
+            packed = False  # packed once more below, where its failure is the checkpoint's (the dump stays)
+        self._after_dump(rec, dest, leave_running=opts.leave_running, upper_packed=packed)
+        lap("pack the writable layer (what was left of it after the runtime)" if rec.rootfs == OVERLAY_ROOTFS else "after the dump")
         return EngineCheckpoint(form=self.form, path=dest, image_dir=dest, container=container, timings_s=timings)
 
     def _write_portable_record(self, rec: RuncDirectRecord, dest: Path) -> None:
@@ -808,13 +823,14 @@ class RuncDirectEngine(EngineBase):
         portable = {"record": {**asdict(rec), "status": "running", "logcopy_pid": 0}, "spec": spec}
         (dest / BUNDLE_RECORD).write_text(json.dumps(portable, indent=2, sort_keys=True))
 
-    def _after_dump(self, rec: RuncDirectRecord, dest: Path, *, leave_running: bool) -> None:
+    def _after_dump(self, rec: RuncDirectRecord, dest: Path, *, leave_running: bool, upper_packed: bool = False) -> None:
         """What a checkpoint adds once runc has dumped: CRIU's dump.log out (no part of the
-        checkpoint), the overlay's writable layer, and for a container the dump stopped, its
-        record and network set as a stopped one's."""
+        checkpoint), the overlay's writable layer (unless ``upper_packed``: an EarlyPack did it
+        while the runtime finished), and for a container the dump stopped, its record and
+        network set as a stopped one's."""
         for log in dest.glob("*.log"):
             log.unlink()
-        if rec.rootfs == OVERLAY_ROOTFS:
+        if rec.rootfs == OVERLAY_ROOTFS and not upper_packed:
             scratch, _ = overlay_paths(self.container_dir(rec.name))
             pack_upper(scratch / "upper", dest / UPPER_ARCHIVE)
         if not leave_running:

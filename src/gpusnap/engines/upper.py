@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 from pathlib import Path
 
 from gpusnap.errors import CheckpointError, RestoreError
@@ -48,6 +49,55 @@ def pack_upper(upper: Path, archive: Path, *, tar_binary: str | None = "auto") -
         archive.unlink(missing_ok=True)
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         raise CheckpointError(f"cannot pack the writable layer {upper}: {lines[-1] if lines else f'tar exit {proc.returncode}'}")
+
+
+class EarlyPack:
+    """Packs the writable layer as soon as ``ready`` exists (CRIU's stats-dump: the dump is
+    over, its link-remap files are in the layer), on a thread of its own, while the runtime
+    still does what comes after the dump (a leave-running GPU checkpoint copies the GPU's state
+    back, about a second for a 5 GB server on the H100). :meth:`finish` says whether the archive
+    is whole; where the file never came (a failed dump), nothing was packed and the caller packs
+    or drops the layer as before. :meth:`cancel` waits for a pack under way and removes it.
+    """
+
+    def __init__(self, upper: Path, archive: Path, ready: Path, *, poll_s: float = 0.01) -> None:
+        self.upper, self.archive, self.ready, self.poll_s = upper, archive, ready, poll_s
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._packed = False
+        self._cancelled = False
+        self._thread = threading.Thread(target=self._run, name="gpusnap-upper-pack", daemon=True)
+
+    def start(self) -> "EarlyPack":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.ready.exists():
+            # finish() after the file came but before this thread saw it still packs here;
+            # cancel() never does.
+            if self._stop.wait(self.poll_s) and (self._cancelled or not self.ready.exists()):
+                return
+        try:
+            pack_upper(self.upper, self.archive)
+            self._packed = True
+        except BaseException as exc:  # noqa: BLE001 - raised by finish()
+            self._error = exc
+
+    def finish(self) -> bool:
+        """The runtime has returned: True when the archive is whole, False when the pack never
+        started; a pack that failed raises its error."""
+        self._stop.set()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._packed
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._stop.set()
+        self._thread.join()
+        self.archive.unlink(missing_ok=True)
 
 
 def unpack_upper(archive: Path, upper: Path, *, tar_binary: str | None = "auto") -> None:

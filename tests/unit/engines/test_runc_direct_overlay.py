@@ -223,3 +223,37 @@ def test_a_failing_pack_is_one_line_and_leaves_no_archive(tmp_path: Path) -> Non
     with pytest.raises(CheckpointError, match="cannot pack the writable layer .*: tar: f: Cannot open: Input/output error$") as info:
         pack_upper(upper, archive, tar_binary=str(tar))
     assert "\n" not in str(info.value) and not archive.exists()
+
+
+def test_early_pack_waits_for_the_dump_then_packs_beside_the_runtime(tmp_path: Path) -> None:
+    import time
+
+    from gpusnap.engines.upper import EarlyPack
+
+    upper = tmp_path / "upper"
+    (upper / "tmp").mkdir(parents=True)
+    (upper / "tmp" / "cache.py").write_text("x = 1\n")
+    archive, ready = tmp_path / "img" / "rootfs-upper.tar", tmp_path / "img" / "stats-dump"
+    archive.parent.mkdir()
+    pack = EarlyPack(upper, archive, ready, poll_s=0.001).start()
+    time.sleep(0.05)
+    assert not archive.exists(), "nothing is packed before CRIU's dump is over"
+    (upper / "usr").mkdir()
+    (upper / "usr" / "link_remap.3").write_text("made by the dump")  # CRIU's link-remap file, before stats-dump
+    ready.write_text("")
+    assert pack.finish() is True
+    with tarfile.open(archive) as tar:
+        assert {"tmp/cache.py", "usr/link_remap.3"} <= set(tar.getnames())
+
+
+def test_early_pack_without_a_finished_dump_packs_nothing(tmp_path: Path) -> None:
+    from gpusnap.engines.upper import EarlyPack
+
+    (tmp_path / "upper").mkdir()
+    archive = tmp_path / "rootfs-upper.tar"
+    pack = EarlyPack(tmp_path / "upper", archive, tmp_path / "stats-dump", poll_s=0.001).start()
+    assert pack.finish() is False and not archive.exists()
+    again = EarlyPack(tmp_path / "upper", archive, tmp_path / "stats-dump", poll_s=0.001).start()
+    (tmp_path / "stats-dump").write_text("")
+    again.cancel()  # a runtime that failed after the dump: the archive goes with the images
+    assert not archive.exists()
