@@ -91,3 +91,32 @@ def test_probe_describes_instead_of_raising(tmp_path: Path) -> None:
     broken.chmod(0o755)
     assert probe_criu(_settings(tmp_path, broken)) == (str(broken), "")
     assert not (tmp_path / "check-runs").exists()  # no `criu check`: a probe only reads the version
+
+
+def test_version_is_asked_once_per_binary_and_boot(tmp_path: Path) -> None:
+    runs = tmp_path / "version-runs"
+    path = tmp_path / "criu"
+
+    def write(version: str) -> None:
+        path.write_text(f'#!/bin/sh\ncase "$1" in --version) echo run >> {runs}; echo "Version: {version}";; check) echo ok;; esac\n')
+        path.chmod(0o755)
+
+    write("4.1.1")
+    s = _settings(tmp_path, path)
+    assert find_criu(s).version == (4, 1, 1)
+    assert find_criu(s).version == (4, 1, 1) and probe_criu(s) == (str(path), "4.1.1")
+    assert runs.read_text().count("run") == 1
+    import os
+
+    write("4.2.0")  # another binary at the same path: asked again
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert find_criu(s).version == (4, 2, 0) and runs.read_text().count("run") == 2
+
+
+def test_an_unwritable_cache_still_answers(tmp_path: Path) -> None:
+    path = _criu(tmp_path)
+    s = _settings(tmp_path, path)
+    s.run_dir.mkdir(parents=True, exist_ok=True)
+    (s.run_dir / "criu").write_text("not a directory")  # the cache cannot be written there
+    assert probe_criu(s) == (str(path), "4.1.1")
