@@ -608,9 +608,9 @@ class Server:
         finally:
             follower.close()
 
-    def ask_for(self, src: int) -> None:
-        """Tell the writer a fault waits for the page at ``src`` (once per MiB of a file)."""
-        where = self.files.locate(src)
+    def ask_for(self, where: tuple[int, int] | None) -> None:
+        """Tell the writer a fault waits for the page at ``where`` ((pages_id, file offset), from
+        ``files.locate``), once per MiB of a file."""
         if where is None or self.wanted_fd < 0:
             return
         pages_id, off = where
@@ -839,11 +839,11 @@ class Server:
         self.count(faults=1)
         self.answer_page(task, addr & ~(PAGE_SIZE - 1))
 
-    def defer(self, task: Task, page: int, src: int) -> bool:
-        """Hold a fault until the page at ``src`` lands; False if it has landed meanwhile (then
-        answer it again). Checked and recorded under the lock the ledger follower adds ranges
-        under, before it retries the held faults: no fault is held past its page's landing."""
-        where = self.files.locate(src)
+    def defer(self, task: Task, page: int, where: tuple[int, int] | None) -> bool:
+        """Hold a fault until its page at ``where`` ((pages_id, file offset)) lands; False if it
+        has landed meanwhile (then answer it again). Checked and recorded under the lock the
+        ledger follower adds ranges under, before it retries the held faults: no fault is held
+        past its page's landing."""
         with self.landed_mu:
             got = self.landed.get(where[0]) if where is not None else None
             if self.landed_all or (got is not None and where is not None and got.covers(where[1], where[1] + PAGE_SIZE)):
@@ -874,9 +874,10 @@ class Server:
             if self.copy_taken(task, choose, fault=True, gate=False) or state["wait"] or task.gone:
                 return
             if "src" in state:
-                if self.defer(task, page, int(state["src"])):
+                where = self.files.locate(int(state["src"]))
+                if self.defer(task, page, where):
                     self.count(deferred_faults=1)
-                    self.ask_for(int(state["src"]))
+                    self.ask_for(where)
                     return
                 landed_meanwhile = True
                 err = 0

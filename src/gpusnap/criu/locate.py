@@ -86,7 +86,7 @@ def _boot_id(settings: Settings) -> str:
         return "unknown-boot"
 
 
-def _cache_file(settings: Settings, path: str, kind: str) -> Path:
+def _cache_file(settings: Settings, path: str, kind: str, suffix: str) -> Path:
     """Where a fact about the CRIU binary at ``path`` is kept until the boot ends or the binary
     changes (its real path, size and modification times are in the name)."""
     st = os.stat(path)
@@ -94,11 +94,7 @@ def _cache_file(settings: Settings, path: str, kind: str) -> Path:
     real_st = os.stat(real)
     key = f"{_boot_id(settings)}|{real}|{real_st.st_mtime_ns}|{real_st.st_size}|{st.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return settings.run_dir / "criu" / f"{kind}-{digest}.{'ok' if kind == 'check' else 'txt'}"
-
-
-def _check_cache_file(settings: Settings, path: str) -> Path:
-    return _cache_file(settings, path, "check")
+    return settings.run_dir / "criu" / f"{kind}-{digest}.{suffix}"
 
 
 def cached_criu_version(settings: Settings, path: str) -> tuple[int, int, int]:
@@ -107,7 +103,7 @@ def cached_criu_version(settings: Settings, path: str) -> tuple[int, int, int]:
     0.09-0.10 s of the runtime's start on the H100 hosts (the driver's load runs beside it)."""
     cache: Path | None
     try:
-        cache = _cache_file(settings, path, "version")
+        cache = _cache_file(settings, path, "version", "txt")
     except OSError:
         cache = None  # criu_version says what is wrong with the binary
     if cache is not None:
@@ -135,7 +131,7 @@ def criu_check(settings: Settings, path: str) -> None:
     The result is cached under run_dir (a tmpfs in production, so the cache dies with the boot):
     ``criu check`` takes about a second, too long to pay on every checkpoint.
     """
-    cache = _check_cache_file(settings, path)
+    cache = _cache_file(settings, path, "check", "ok")
     if cache.exists():
         return
     try:

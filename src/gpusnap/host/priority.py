@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 MAX_NICE = 19
 
@@ -27,6 +28,12 @@ def yield_cpu(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(nice, MAX_NICE))
     except OSError:
         pass
+
+
+def yielding_pool(max_workers: int, thread_name_prefix: str, nice: int) -> ThreadPoolExecutor:
+    """A thread pool whose threads run at nice value ``nice`` (0: the caller's)."""
+    lower = {"initializer": yield_cpu, "initargs": (nice,)} if nice > 0 else {}
+    return ThreadPoolExecutor(max_workers, thread_name_prefix=thread_name_prefix, **lower)
 
 
 def thread_nice(tid: int | None = None) -> int:

@@ -32,7 +32,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -41,7 +41,7 @@ import zstandard
 from pyfastcdc import FastCDC
 
 from gpusnap.errors import IntegrityError
-from gpusnap.host.priority import yield_cpu
+from gpusnap.host.priority import yielding_pool
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging.store import Descriptor, OciStore, PlacedBlobWriter
 
@@ -512,10 +512,9 @@ class PackWriter:
         self.workers = max(1, workers or os.cpu_count() or 1)
         # ``nice``: the threads' nice value (gpusnap.host.priority), raised where the pack runs
         # beside a dump.
-        lower = {"initializer": yield_cpu, "initargs": (nice,)} if nice > 0 else {}
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack", **lower)
-        self.lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"gpusnap-pack-lane{i}", **lower) for i in range(LANES)]
-        self.sealers = ThreadPoolExecutor(self.workers, thread_name_prefix="gpusnap-pack-seal", **lower)
+        self.pool = yielding_pool(self.workers, "gpusnap-pack", nice)
+        self.lanes = [yielding_pool(1, f"gpusnap-pack-lane{i}", nice) for i in range(LANES)]
+        self.sealers = yielding_pool(self.workers, "gpusnap-pack-seal", nice)
         self.depth = self.workers + 2
         self.max_sealing = 2 * self.workers + 2  # packs hashed/flushed at once before the reads wait
         self.free: queue.Queue[_Buffer] = queue.LifoQueue()  # reuse warm windows; cold ones never cost memory

@@ -788,10 +788,9 @@ class PipelinedPush:
         client = client or RegistryClient(self.target.registry, insecure=insecure)
         self._own_progress = progress is None
         self.sender = _BlobSender(store, client, self.target, progress or default_progress(f"push {self.target}"))
-        from gpusnap.host.priority import yield_cpu
+        from gpusnap.host.priority import yielding_pool
 
-        lower = {"initializer": yield_cpu, "initargs": (nice,)} if nice > 0 else {}
-        self._pool = ThreadPoolExecutor(max_workers=client.workers, thread_name_prefix="gpusnap-push", **lower)
+        self._pool = yielding_pool(client.workers, "gpusnap-push", nice)
         self._futures: list[Any] = []
         self._lock = threading.Lock()
         self._closed = False
