@@ -1008,10 +1008,11 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 row(f"  of which the last uploads and the manifest ({gb(sent):.2f} GB sent in all)", ps, rate_bytes=0)
             elif ps:
                 row(f"  of which push ({gb(sent):.2f} GB sent; GB/s of those)", ps, f"{gb(sent) / ps / http:.2f}x HTTP upload floor" if http else "", rate_bytes=sent)
-            for key in ("find the container, check the host", "remove the work dir"):  # before and after the steps
+            for key in ("start-up and imports", "find the container, check the host", "remove the work dir"):  # before and after the steps
                 if key in t1:
                     row(f"  of which {key}", t1[key], rate_bytes=0)
-            row("  command total minus its stages (start-up, exit)", ck1["seconds"] - sum(v for k, v in t1.items() if ": " not in k), rate_bytes=0)
+            rest = "exit" if "start-up and imports" in t1 else "start-up, exit"
+            row(f"  command total minus its stages ({rest})", ck1["seconds"] - sum(v for k, v in t1.items() if ": " not in k), rate_bytes=0)
         ck0f = w.get("ck0f")
         if ck0f:
             t0f = ck0f["timings_s"]
@@ -1039,7 +1040,8 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 row(f"    {stage[len('restore: '):]}" if sub else f"  of which {stage}", secs, rate_bytes=rate)
             if timings:
                 top = sum(v for k, v in timings.items() if not k.startswith(("restore: ", "background: ")))
-                row("  command total minus its stages (start-up, clean-up)", cmd - top, rate_bytes=0)
+                rest = "clean-up, exit" if "start-up and imports" in timings else "start-up, clean-up"
+                row(f"  command total minus its stages ({rest})", cmd - top, rate_bytes=0)
                 row("  first step after the command's start", first_step, rate_bytes=0)
 
         rl = w.get("restore_local_s")

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     verbose = any(a in ("-v", "--verbose") for a in args)
     try:
         # Standalone mode: typer/click print usage errors themselves (exit 2) and turn --help,
-        # completion and typer.Exit into SystemExit, which passes through here.
+        # completion, typer.Exit and a command's normal end into SystemExit.
         build_command().main(args=args, prog_name="gpusnap")
     except GpusnapError as exc:
         if verbose:
@@ -120,4 +120,41 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(int(ExitCode.FAILURE))
 
 
-__all__ = ["main", "build_app", "build_command", "get_ctx", "require_root", "Ctx"]
+def run() -> None:
+    """The `gpusnap` console script: :func:`main`, then :func:`leave` (tests call main, whose
+    SystemExit they catch)."""
+    try:
+        main()
+    except SystemExit as done:
+        leave(done.code)
+    leave(None)
+
+
+def leave(code: object) -> None:
+    """End the process with ``code`` (SystemExit's) without tearing the interpreter down.
+
+    A checkpoint imports numpy, zstandard, the registry client and the rest of the packaging
+    code; freeing all of it module by module at exit took 0.1 s on the 2-core CI machine, on
+    every command, after the work was done and durable. Where only this thread is left, the
+    exit handlers run and the standard streams are flushed, then the process ends. Where any
+    other thread still runs (a pool not shut down, a transfer), the normal exit waits for it.
+    """
+    import atexit
+    import os
+    import threading
+
+    status = 0 if code is None else code if isinstance(code, int) else 1
+    if threading.active_count() != 1:
+        sys.exit(code)
+    if not isinstance(code, int) and code is not None:
+        print(code, file=sys.stderr)  # what SystemExit("message") prints
+    try:
+        atexit._run_exitfuncs()  # noqa: SLF001 - the handlers a normal exit runs (temp dirs, logging)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed or broken stream: let the normal exit report it
+        sys.exit(code)
+    os._exit(status)
+
+
+__all__ = ["main", "run", "leave", "build_app", "build_command", "get_ctx", "require_root", "Ctx"]

@@ -11,6 +11,15 @@ from gpusnap.cli.context import get_ctx, require_root
 from gpusnap.cli.output import human_size
 from gpusnap.engines import orchestrate
 from gpusnap.engines.base import CheckpointOptions
+from gpusnap.steps import process_age_s
+
+# The first lap of a command's report: the interpreter's start, the imports and the parsing of
+# the command line, before the command's own code runs (named as the runtime names its own).
+STARTUP = "start-up and imports"
+
+
+def _with_startup(timings: dict[str, float], age: float | None) -> dict[str, float]:
+    return timings if age is None else {STARTUP: round(age, 3), **timings}
 
 ENGINE_OPT = typer.Option("--engine", "-e", help="auto (the engine that owns it), runc-direct, podman, docker, or cri (a pod's container over the node's CRI socket).")
 NAMESPACE_OPT = typer.Option("--namespace", help="--engine cri: the pod's Kubernetes namespace.")
@@ -41,6 +50,7 @@ def register(app: typer.Typer) -> None:
 
         With --engine cri, CONTAINER is POD[/CONTAINER] and the checkpoint is the kubelet's:
         a checkpoint archive (the container keeps running), pushed as a checkpoint image with --push."""
+        started = process_age_s()
         from gpusnap.packaging.crypto import encryption_from_options
 
         require_root("gpusnap checkpoint")
@@ -57,6 +67,7 @@ def register(app: typer.Typer) -> None:
         with c.out.progress(f"checkpointing {container}") as progress:
             outcome = orchestrate.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress,
                                        podman_image=podman_image, notice=c.out.notice, **sealed)
+        outcome.timings_s = _with_startup(outcome.timings_s, started)
         if as_json:
             c.out.json(outcome.to_dict())
             return
@@ -87,6 +98,7 @@ def register(app: typer.Typer) -> None:
 
         With --engine cri, SOURCE is a checkpoint image or a kubelet checkpoint archive, and --name
         names the new pod: checked against this node first, then restored as a new pod."""
+        started = process_age_s()
         require_root("gpusnap restore")
         c = get_ctx(ctx)
         if engine == "cri":
@@ -103,6 +115,7 @@ def register(app: typer.Typer) -> None:
         with c.out.progress(f"restoring {source}") as progress:
             outcome = orchestrate.restore(c.settings, source, name=name, engine=engine, tcp_established=tcp_established, insecure=insecure, progress=progress, ip=ip,
                                           notice=c.out.notice, lazy_pages=lazy_pages, **keys)
+        outcome.timings_s = _with_startup(outcome.timings_s, started)
         if as_json:
             c.out.json(outcome.to_dict())
             return

@@ -19,6 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 IMG_COMMON_MAGIC = 0x54564319
+# CRIU writes it into the images' work directory as the dump's last act, after every image is
+# closed, and only when the dump succeeded.
+DUMP_STATS = "stats-dump"
 PSTREE_MAGIC = 0x50273030
 CORE_MAGIC = 0x55053847
 

@@ -37,6 +37,19 @@ def pack_upper(upper: Path, archive: Path, *, tar_binary: str | None = "auto") -
     changes while it is read is taken as read (GNU tar's exit status 1), as tarfile did.
     """
     names = sorted(entry.name for entry in upper.iterdir())
+    # Written under a hidden name and renamed: the archive appears whole or not at all, so the
+    # store that follows the image directory (packaging/follow.py) may take it as soon as it
+    # is there, and a failed pack leaves nothing under the archive's name.
+    partial = archive.with_name(f".{archive.name}.partial")
+    try:
+        _pack_into(upper, names, partial, tar_binary)
+        partial.replace(archive)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def _pack_into(upper: Path, names: list[str], archive: Path, tar_binary: str | None) -> None:
     gnu = _gnu_tar(PACK_TAR_VERSION) if tar_binary == "auto" else tar_binary
     if gnu is None or not names:  # GNU tar refuses to make an empty archive
         with tarfile.open(archive, "w", format=tarfile.GNU_FORMAT, copybufsize=COPY_BUFSIZE) as tar:
@@ -46,7 +59,6 @@ def pack_upper(upper: Path, archive: Path, *, tar_binary: str | None = "auto") -
     proc = subprocess.run([gnu, "-c", "-f", str(archive), "-C", str(upper), "--format=gnu", "--sort=name", "--numeric-owner",
                            "--no-xattrs", "--", *names], capture_output=True, text=True, check=False)
     if proc.returncode not in (0, 1):
-        archive.unlink(missing_ok=True)
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         raise CheckpointError(f"cannot pack the writable layer {upper}: {lines[-1] if lines else f'tar exit {proc.returncode}'}")
 

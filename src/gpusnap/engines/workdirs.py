@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from gpusnap.criu.images import DUMP_STATS
+
 RECORD = "gpusnap-work.json"
 LOCK = "owner.lock"
 
@@ -39,7 +41,7 @@ DUMPED = "dumped"  # the engine's checkpoint returned: the image is whole
 DESCRIBED = "described"  # gpusnap.json written into it
 STORED = "stored"  # tagged in the local store: the work dir is a spare copy
 
-DUMP_DONE = "stats-dump"  # CRIU writes it into the image directory only when a dump succeeded
+DUMP_DONE = DUMP_STATS  # CRIU writes it into the image directory only when a dump succeeded
 # Engines whose checkpoint a dead gpusnap left half-done can be finished by the next run
 # (their ``complete_interrupted``): runc-direct, whose runc dumps into gpusnap's work dir.
 FINISHES_INTERRUPTED = ("runc-direct",)

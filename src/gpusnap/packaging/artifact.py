@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tarfile
 import tempfile
 import threading
@@ -188,6 +189,12 @@ def classify(entry: Entry, form: str) -> str:
     return "criu" if inside is not None else "engine"
 
 
+def large_extra(name: str, st: os.stat_result) -> bool:
+    """Whether a top-level file of a criu-dir checkpoint that is not a pages file is stored as
+    pieces (:func:`classify`'s "data"): what the dump follower may pack before the store."""
+    return stat.S_ISREG(st.st_mode) and st.st_size >= LARGE_FILE and not _PAGES_RE.match(name)
+
+
 class _LayerSink:
     """A tar layer being written: tar stream → optional zstd → blob writer (bounded memory)."""
 
@@ -297,9 +304,9 @@ def build_artifact(
                 if writer is not None:
                     index = len(col.files)
                     base = entry.name.rsplit("/", 1)[-1]
-                    done = followed.files.get(entry.name) if followed is not None and role == "pages" else None
+                    done = followed.files.get(entry.name) if followed is not None else None
                     if done is not None:
-                        number, offset = done  # packed while CRIU wrote it
+                        number, offset = done  # packed while CRIU wrote it, or as it appeared after the dump
                         numbers[number] = index
                     elif role == "pages":
                         ranges = ranges_of(pagemaps, base, entry.info.size)

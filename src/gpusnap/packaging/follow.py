@@ -26,10 +26,22 @@ Why the result is the same as storing the finished directory:
   stores the finished directory instead, so a CRIU that writes differently costs time, never a
   wrong checkpoint.
 
-The artifact depends only on the finished directory: its pages files (those whose pagemap is
-known) are packed first, in pages-id order, then everything else as
-:func:`gpusnap.packaging.artifact.build_artifact` goes through the directory. Their pieces carry
-provisional file numbers until the artifact's file list places them (PackResult.renumber_files).
+* CRIU writes ``stats-dump`` last, once every image is closed. When it appears the follower
+  takes the rest of the pages files and checks them on its own thread, while the runtime
+  still works (a leave-running GPU checkpoint copies the GPU's state back for about a second),
+  instead of after the engine has returned.
+* Then it packs the large files that appear after the dump (:func:`_large_extra`: those the
+  artifact stores as pieces, such as the engine's archive of an overlay's writable layer),
+  provided they appear whole: ``engines.upper.pack_upper`` writes under a hidden name and
+  renames, and a file whose identity (inode, size, change time) differs at :meth:`finish` from
+  what was read is a :class:`FollowMismatch`, like a pagemap that changed.
+
+The pages files (those whose pagemap is known) are packed first, in pages-id order, then those
+large files in the order they appeared, then everything else as
+:func:`gpusnap.packaging.artifact.build_artifact` goes through the directory. Without such large
+files the artifact is the one a store of the finished directory makes; with them it holds the
+same files and pieces, its packs in that order. Pieces carry provisional file numbers until the
+artifact's file list places them (PackResult.renumber_files).
 """
 
 from __future__ import annotations
@@ -42,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.criu.pagemap import PAGE_SIZE, PAGEMAP_NAME, PageRange, PagemapReader, merge_contiguous
-from gpusnap.criu.images import ImageFormatError
+from gpusnap.criu.images import DUMP_STATS, ImageFormatError
 from gpusnap.packaging.store import OciStore
 
 # numpy and the pack writer are imported where they are first used, on the follower's thread:
@@ -50,6 +62,7 @@ from gpusnap.packaging.store import OciStore
 
 PAGES_NAME = re.compile(r"^pages-(\d+)\.img$")
 PROVISIONAL = 1 << 30  # file numbers of followed files until the artifact lists them: PROVISIONAL + pages id
+EXTRA_PROVISIONAL = PROVISIONAL + (1 << 29)  # … and of the large files packed after the dump, in the order seen
 POLL_S = 0.02
 _READ = 1 << 20
 
@@ -85,6 +98,19 @@ class _Track:
 
 
 @dataclass(frozen=True)
+class _Extra:
+    """A large file packed after the dump: its provisional number, size and identity when read."""
+
+    number: int
+    size: int
+    identity: tuple[int, int, int, int]
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True)
 class Followed:
     """What :meth:`DumpFollower.finish` hands to build_artifact: the writer that holds the pages
     files' pieces, and for each such file its provisional number and size."""
@@ -117,8 +143,10 @@ class DumpFollower:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock: Any = None
-        self.bytes_while_dumping = 0  # pages handed to the writer before finish()
+        self.bytes_while_dumping = 0  # pages handed to the writer before the dump ended
         self._finishing = False
+        self.dump_over = False  # stats-dump seen: every pages file taken to its end and checked
+        self.extras: dict[str, _Extra] = {}  # large files packed after the dump, by name
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> "DumpFollower":
@@ -141,7 +169,11 @@ class DumpFollower:
             self.writer = packing.PackWriter(self.store, compress=self.compress, params=self.params, known=known,
                                              on_blob=self.on_blob, workers=self.workers, nice=self.nice)
             while not self._stop.is_set():
-                if not self._step(final=False):
+                if not self.dump_over and (self.dir / DUMP_STATS).exists():
+                    self._take_the_rest()
+                    continue
+                progressed = self._add_extra() if self.dump_over else self._step(final=False)
+                if not progressed:
                     self._stop.wait(self.poll_s)
         except BaseException as exc:  # noqa: BLE001 - reported by finish()
             self._error = exc
@@ -158,14 +190,55 @@ class DumpFollower:
         if self._error is not None:
             raise self._error
         assert self.writer is not None
+        if not self.dump_over:
+            self._take_the_rest()
+        for name, extra in self.extras.items():
+            try:
+                same = _identity(os.stat(self.dir / name)) == extra.identity
+            except FileNotFoundError:
+                same = False
+            if not same:
+                raise FollowMismatch(f"{name}: changed after it was stored")
+        files = {t.name: (t.number, int(t.cuts[-1]) * PAGE_SIZE) for t in self._ordered() if t.done}
+        files.update((name, (extra.number, extra.size)) for name, extra in self.extras.items())
+        writer, self.writer = self.writer, None  # build_artifact finishes or aborts it from here on
+        return Followed(writer, files)
+
+    def _take_the_rest(self) -> None:
+        """Every pages file is whole (the dump ended): add what is left of each and check them."""
         self._finishing = True
         self._step(final=True)
         for t in self._ordered():
             if t.done:
                 self._recheck(t)
-        files = {t.name: (t.number, int(t.cuts[-1]) * PAGE_SIZE) for t in self._ordered() if t.done}
-        writer, self.writer = self.writer, None  # build_artifact finishes or aborts it from here on
-        return Followed(writer, files)
+        self.dump_over = True
+
+    def _add_extra(self) -> bool:
+        """Pack the next large file that appeared after the dump; whether one was packed. Small
+        files are looked at again on each pass (one written in place may still grow)."""
+        from gpusnap.packaging.artifact import large_extra
+
+        try:
+            found = sorted((e.name, e.stat(follow_symlinks=False)) for e in os.scandir(self.dir))
+        except FileNotFoundError:
+            return False
+        for name, st in found:
+            if name in self.extras or name.startswith(".") or PAGES_NAME.match(name) or not large_extra(name, st):
+                continue
+            try:
+                f = open(os.open(self.dir / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW), "rb", buffering=0)
+            except OSError:
+                continue  # gone, or replaced by a link: build_artifact sees to it
+            with f:
+                st = os.fstat(f.fileno())
+                assert self.writer is not None
+                number = EXTRA_PROVISIONAL + len(self.extras)
+                size = self.writer.add_cdc(number, f, st.st_size)
+            if size != st.st_size:
+                raise FollowMismatch(f"{name}: read {size} bytes of {st.st_size}; it changed while it was stored")
+            self.extras[name] = _Extra(number, size, _identity(st))
+            return True
+        return False
 
     def abort(self) -> None:
         """Stop, and drop every pack written so far (none is referenced by a tag yet)."""

@@ -223,6 +223,24 @@ def test_a_failing_pack_is_one_line_and_leaves_no_archive(tmp_path: Path) -> Non
     with pytest.raises(CheckpointError, match="cannot pack the writable layer .*: tar: f: Cannot open: Input/output error$") as info:
         pack_upper(upper, archive, tar_binary=str(tar))
     assert "\n" not in str(info.value) and not archive.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tar", "upper"], "the partial archive is removed too"
+
+
+def test_the_archive_appears_only_whole(tmp_path: Path) -> None:
+    # The store that follows the image directory takes a large file as soon as it is there:
+    # tar writes under a hidden name, renamed once it succeeded.
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    (upper / "f").write_text("x")
+    archive = tmp_path / "img" / "rootfs-upper.tar"
+    archive.parent.mkdir()
+    tar = tmp_path / "tar"
+    tar.write_text(f'#!/bin/sh\n[ -e "{archive}" ] && echo seen > "{tmp_path}/seen"\necho "$3" > "$3"\nexit 0\n')
+    tar.chmod(0o755)
+    pack_upper(upper, archive, tar_binary=str(tar))
+    assert not (tmp_path / "seen").exists()
+    assert archive.read_text().strip() == str(archive.parent / ".rootfs-upper.tar.partial")
+    assert [p.name for p in archive.parent.iterdir()] == ["rootfs-upper.tar"]
 
 
 def test_early_pack_waits_for_the_dump_then_packs_beside_the_runtime(tmp_path: Path) -> None:

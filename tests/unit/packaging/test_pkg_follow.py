@@ -282,3 +282,71 @@ def test_store_reports_its_phases(tmp_path: Path) -> None:
     plain: dict[str, float] = {}
     api.store_checkpoint(tmp_path / "s2", tmp_path / "dump", form="criu-dir", ref="local/x:1", timings=plain)
     assert list(plain) == list(api.STORE_PHASES[1:])  # nothing was followed
+
+
+def _wait(cond: Callable[[], bool], what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def _materialized(store_dir: Path, ref: str, out: Path) -> dict[str, bytes]:
+    api.materialize_checkpoint(store_dir, ref, out, form="criu-dir")
+    return {f.name: f.read_bytes() for f in out.iterdir()}
+
+
+def _appear_whole(path: Path, data: bytes) -> None:
+    """How engines.upper.pack_upper publishes its archive: a hidden name, then a rename."""
+    hidden = path.with_name(f".{path.name}.partial")
+    hidden.write_bytes(data)
+    hidden.replace(path)
+
+
+def test_the_follower_takes_the_rest_itself_once_criu_writes_stats_dump(tmp_path: Path) -> None:
+    dump = tmp_path / "dump"
+    follower = DumpFollower(OciStore(tmp_path / "s"), dump, compress=False, poll_s=0.001).start()
+    FakeCriu(dump, pause_s=0).run()
+    time.sleep(0.05)
+    assert not follower.dump_over, "without stats-dump the last file may still grow"
+    (dump / "stats-dump").write_bytes(b"stats")
+    _wait(lambda: follower.dump_over, "the follower to finish the pages files on its own thread")
+    assert all(t.done for t in follower.tracks.values())
+    digest = api.store_checkpoint(tmp_path / "s", dump, form="criu-dir", ref="local/x:1", follower=follower).digest
+    assert _artifact(tmp_path / "s", digest) == _store_finished(tmp_path, dump, "finished")
+
+
+def test_a_large_file_that_appears_whole_after_the_dump_is_packed_before_the_store(tmp_path: Path) -> None:
+    from gpusnap.packaging.artifact import LARGE_FILE
+
+    dump = tmp_path / "dump"
+    follower = DumpFollower(OciStore(tmp_path / "s"), dump, compress=False, poll_s=0.001).start()
+    FakeCriu(dump, pause_s=0).run()
+    (dump / "stats-dump").write_bytes(b"stats")
+    layer = random.Random(8).randbytes(LARGE_FILE + 12345)  # the writable layer's archive, packed after the dump
+    _appear_whole(dump / "rootfs-upper.tar", layer)
+    (dump / "gpusnap.json").write_bytes(b"{}")  # small files stay for the tar layers
+    _wait(lambda: "rootfs-upper.tar" in follower.extras, "the follower to pack the archive")
+    assert set(follower.extras) == {"rootfs-upper.tar"}
+    stored = api.store_checkpoint(tmp_path / "s", dump, form="criu-dir", ref="local/x:1", follower=follower)
+    layers, config = _artifact(tmp_path / "s", stored.digest)
+    finished_layers, finished_config = _store_finished(tmp_path, dump, "finished")
+    assert config == finished_config  # the same files, sizes and roles
+    assert sorted(d["digest"] for d in layers[:2]) == sorted(d["digest"] for d in finished_layers[:2])  # the same tar layers
+    assert _materialized(tmp_path / "s", "local/x:1", tmp_path / "out") == {f.name: f.read_bytes() for f in dump.iterdir()}
+
+
+def test_a_large_file_changed_after_it_was_packed_is_stored_from_the_finished_files(tmp_path: Path) -> None:
+    from gpusnap.packaging.artifact import LARGE_FILE
+
+    dump = tmp_path / "dump"
+    follower = DumpFollower(OciStore(tmp_path / "s"), dump, compress=False, poll_s=0.001).start()
+    FakeCriu(dump, pause_s=0).run()
+    (dump / "stats-dump").write_bytes(b"stats")
+    (dump / "blob.bin").write_bytes(random.Random(9).randbytes(LARGE_FILE))  # written in place (not how gpusnap writes)
+    _wait(lambda: "blob.bin" in follower.extras, "the follower to pack the file")
+    with open(dump / "blob.bin", "r+b") as f:
+        f.write(b"changed")
+    stored = api.store_checkpoint(tmp_path / "s", dump, form="criu-dir", ref="local/x:1", follower=follower)
+    assert stored.digest
+    assert _materialized(tmp_path / "s", "local/x:1", tmp_path / "out") == {f.name: f.read_bytes() for f in dump.iterdir()}
