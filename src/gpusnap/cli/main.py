@@ -18,6 +18,7 @@ from gpusnap.cli.context import Ctx, get_ctx, require_root
 from gpusnap.cli.output import Out
 from gpusnap.config import load_settings
 from gpusnap.errors import ExitCode, GpusnapError
+from gpusnap.process_exit import leave
 
 EPILOG = "Exit codes: " + ", ".join(f"{c.value} {c.name.lower().replace('_', ' ')}" for c in ExitCode) + "."
 
@@ -130,31 +131,4 @@ def run() -> None:
     leave(None)
 
 
-def leave(code: object) -> None:
-    """End the process with ``code`` (SystemExit's) without tearing the interpreter down.
-
-    A checkpoint imports numpy, zstandard, the registry client and the rest of the packaging
-    code; freeing all of it module by module at exit took 0.1 s on the 2-core CI machine, on
-    every command, after the work was done and durable. Where only this thread is left, the
-    exit handlers run and the standard streams are flushed, then the process ends. Where any
-    other thread still runs (a pool not shut down, a transfer), the normal exit waits for it.
-    """
-    import atexit
-    import os
-    import threading
-
-    status = 0 if code is None else code if isinstance(code, int) else 1
-    if threading.active_count() != 1:
-        sys.exit(code)
-    if not isinstance(code, int) and code is not None:
-        print(code, file=sys.stderr)  # what SystemExit("message") prints
-    try:
-        atexit._run_exitfuncs()  # noqa: SLF001 - the handlers a normal exit runs (temp dirs, logging)
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):  # a closed or broken stream: let the normal exit report it
-        sys.exit(code)
-    os._exit(status)
-
-
-__all__ = ["main", "run", "leave", "build_app", "build_command", "get_ctx", "require_root", "Ctx"]
+__all__ = ["main", "run", "build_app", "build_command", "get_ctx", "require_root", "Ctx"]

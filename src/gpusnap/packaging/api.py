@@ -95,6 +95,9 @@ class ArtifactInfo:
 
 # The phases of store_checkpoint (its ``timings``): what a checkpoint waits for after its dump.
 STORE_PHASES = ("finish what was stored while dumping", "pack the rest", "publish (durable, then visible)")
+# Prefix of what a dump follower did after the dump and before the store began (not a phase of
+# the store: its thread did it while the runtime went on).
+BESIDE_RUNTIME = "before it, beside the runtime: "
 
 
 def _check_form(form: str) -> None:
@@ -192,6 +195,8 @@ def _store_checkpoint(store_dir: Path, source: Path, *, form: str, ref: str, met
             except FollowMismatch:
                 follower.abort()  # what it read is not what CRIU left: store the finished files
             timings[STORE_PHASES[0]] = round(time.perf_counter() - t0, 3)
+            if followed is not None:
+                timings.update((f"{BESIDE_RUNTIME}{k}", v) for k, v in followed.after_dump.items())
         t0 = time.perf_counter()
         try:
             built = fmt.build_artifact(store, entries, form=form, metadata=metadata, compress=compress, parent=parent_digest,

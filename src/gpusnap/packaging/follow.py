@@ -49,6 +49,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,8 @@ PAGES_NAME = re.compile(r"^pages-(\d+)\.img$")
 PROVISIONAL = 1 << 30  # file numbers of followed files until the artifact lists them: PROVISIONAL + pages id
 EXTRA_PROVISIONAL = PROVISIONAL + (1 << 29)  # … and of the large files packed after the dump, in the order seen
 POLL_S = 0.02
+# What the follower's thread did after the dump, while the runtime went on (Followed.after_dump).
+AFTER_DUMP = ("the pages left when the dump ended, added", "large files that appeared after the dump, cut and hashed")
 _READ = 1 << 20
 
 
@@ -117,6 +120,7 @@ class Followed:
 
     writer: Any  # pack.PackWriter
     files: dict[str, tuple[int, int]]
+    after_dump: dict[str, float] = field(default_factory=dict)  # seconds on the follower's thread (AFTER_DUMP)
 
 
 class DumpFollower:
@@ -146,7 +150,11 @@ class DumpFollower:
         self.bytes_while_dumping = 0  # pages handed to the writer before the dump ended
         self._finishing = False
         self.dump_over = False  # stats-dump seen: every pages file taken to its end and checked
+        self.dump_over_early = False  # ... by the follower's thread, before finish()
         self.extras: dict[str, _Extra] = {}  # large files packed after the dump, by name
+        # Seconds this follower's thread spent after the dump ended, beside the runtime (AFTER_DUMP
+        # keys): what the store then no longer waits for.
+        self.after_dump: dict[str, float] = {}
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> "DumpFollower":
@@ -190,6 +198,7 @@ class DumpFollower:
         if self._error is not None:
             raise self._error
         assert self.writer is not None
+        self.dump_over_early = self.dump_over  # the thread saw the dump end (else: taken here, inside the store)
         if not self.dump_over:
             self._take_the_rest()
         for name, extra in self.extras.items():
@@ -202,16 +211,18 @@ class DumpFollower:
         files = {t.name: (t.number, int(t.cuts[-1]) * PAGE_SIZE) for t in self._ordered() if t.done}
         files.update((name, (extra.number, extra.size)) for name, extra in self.extras.items())
         writer, self.writer = self.writer, None  # build_artifact finishes or aborts it from here on
-        return Followed(writer, files)
+        return Followed(writer, files, dict(self.after_dump) if self.dump_over_early else {})
 
     def _take_the_rest(self) -> None:
         """Every pages file is whole (the dump ended): add what is left of each and check them."""
+        t0 = time.perf_counter()
         self._finishing = True
         self._step(final=True)
         for t in self._ordered():
             if t.done:
                 self._recheck(t)
         self.dump_over = True
+        self.after_dump[AFTER_DUMP[0]] = round(time.perf_counter() - t0, 3)
 
     def _add_extra(self) -> bool:
         """Pack the next large file that appeared after the dump; whether one was packed. Small
@@ -233,7 +244,9 @@ class DumpFollower:
                 st = os.fstat(f.fileno())
                 assert self.writer is not None
                 number = EXTRA_PROVISIONAL + len(self.extras)
+                t0 = time.perf_counter()
                 size = self.writer.add_cdc(number, f, st.st_size)
+                self.after_dump[AFTER_DUMP[1]] = round(self.after_dump.get(AFTER_DUMP[1], 0.0) + time.perf_counter() - t0, 3)
             if size != st.st_size:
                 raise FollowMismatch(f"{name}: read {size} bytes of {st.st_size}; it changed while it was stored")
             self.extras[name] = _Extra(number, size, _identity(st))

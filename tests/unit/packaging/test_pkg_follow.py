@@ -312,8 +312,12 @@ def test_the_follower_takes_the_rest_itself_once_criu_writes_stats_dump(tmp_path
     (dump / "stats-dump").write_bytes(b"stats")
     _wait(lambda: follower.dump_over, "the follower to finish the pages files on its own thread")
     assert all(t.done for t in follower.tracks.values())
-    digest = api.store_checkpoint(tmp_path / "s", dump, form="criu-dir", ref="local/x:1", follower=follower).digest
+    phases: dict[str, float] = {}
+    digest = api.store_checkpoint(tmp_path / "s", dump, form="criu-dir", ref="local/x:1", follower=follower, timings=phases).digest
     assert _artifact(tmp_path / "s", digest) == _store_finished(tmp_path, dump, "finished")
+    from gpusnap.packaging.follow import AFTER_DUMP
+
+    assert list(phases) == [api.STORE_PHASES[0], api.BESIDE_RUNTIME + AFTER_DUMP[0], *api.STORE_PHASES[1:]]
 
 
 def test_a_large_file_that_appears_whole_after_the_dump_is_packed_before_the_store(tmp_path: Path) -> None:
@@ -328,7 +332,11 @@ def test_a_large_file_that_appears_whole_after_the_dump_is_packed_before_the_sto
     (dump / "gpusnap.json").write_bytes(b"{}")  # small files stay for the tar layers
     _wait(lambda: "rootfs-upper.tar" in follower.extras, "the follower to pack the archive")
     assert set(follower.extras) == {"rootfs-upper.tar"}
-    stored = api.store_checkpoint(tmp_path / "s", dump, form="criu-dir", ref="local/x:1", follower=follower)
+    phases: dict[str, float] = {}
+    stored = api.store_checkpoint(tmp_path / "s", dump, form="criu-dir", ref="local/x:1", follower=follower, timings=phases)
+    from gpusnap.packaging.follow import AFTER_DUMP
+
+    assert phases[api.BESIDE_RUNTIME + AFTER_DUMP[1]] > 0
     layers, config = _artifact(tmp_path / "s", stored.digest)
     finished_layers, finished_config = _store_finished(tmp_path, dump, "finished")
     assert config == finished_config  # the same files, sizes and roles

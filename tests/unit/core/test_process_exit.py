@@ -1,4 +1,4 @@
-"""The console script's exit (gpusnap.cli.main.run/leave): the same status and output as a
+"""How gpusnap's processes end (gpusnap.process_exit.leave, the CLI's console script run): the same status and output as a
 normal exit, exit handlers run, and other threads still waited for; only the interpreter's
 teardown is skipped. Each case runs in a child interpreter (leave ends the process)."""
 
@@ -31,21 +31,21 @@ def test_run_keeps_exit_codes_and_output(tmp_path: Path) -> None:
 def test_leave_runs_exit_handlers_and_flushes_buffered_output(tmp_path: Path) -> None:
     done = _child(f"""
         import atexit, sys
-        from gpusnap.cli.main import leave
+        from gpusnap.process_exit import leave
         atexit.register(lambda: open({str(tmp_path / "handler")!r}, "w").write("ran"))
         sys.stdout.write("buffered, no newline")
         leave(3)
     """, tmp_path)
     assert done.returncode == 3 and done.stdout == "buffered, no newline"
     assert (tmp_path / "handler").read_text() == "ran"
-    message = _child("from gpusnap.cli.main import leave; leave('what went wrong')", tmp_path)
+    message = _child("from gpusnap.process_exit import leave; leave('what went wrong')", tmp_path)
     assert message.returncode == 1 and message.stderr.strip() == "what went wrong"
 
 
 def test_leave_waits_for_a_thread_still_running(tmp_path: Path) -> None:
     done = _child(f"""
         import threading, time
-        from gpusnap.cli.main import leave
+        from gpusnap.process_exit import leave
         def late():
             time.sleep(0.3)
             open({str(tmp_path / "late")!r}, "w").write("written")
