@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import mmap
+import os
 import re
 import threading
 import time
@@ -552,18 +554,26 @@ class _FileBody:
     def __len__(self) -> int:
         return self._length
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[bytes | memoryview]:
+        end = self._offset + self._length
         with (self._path() if callable(self._path) else open(self._path, "rb")) as f:
-            f.seek(self._offset)
-            left = self._length
-            while left:
-                data = f.read(min(SEND_SIZE, left))
-                if not data:
-                    raise IntegrityError(f"{self._path} is shorter than expected; the store is corrupt")
-                left -= len(data)
-                self._sent[0] += len(data)
-                self._progress.advance(len(data))
-                yield data
+            if os.fstat(f.fileno()).st_size < end:
+                raise IntegrityError(f"{self._path} is shorter than expected; the store is corrupt")
+            # Each piece is sent from a mapping of its part of the file: it goes from the page
+            # cache to the socket with no copy in between. read() gave every piece a fresh
+            # buffer, which the kernel zeroed and read() then filled: two passes over memory
+            # per byte sent (a quarter of the push's CPU), on a host where the store and CRIU's
+            # dump want that bandwidth too. One piece is mapped at a time (peak RSS stays flat):
+            # its mapping goes once http.client has sent it and asks for the next.
+            for at in range(self._offset, end, SEND_SIZE):
+                n = min(SEND_SIZE, end - at)
+                start = at - at % mmap.ALLOCATIONGRANULARITY
+                piece = memoryview(mmap.mmap(f.fileno(), at - start + n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                             prot=mmap.PROT_READ, offset=start))[at - start:]
+                self._sent[0] += n
+                self._progress.advance(n)
+                yield piece
+                del piece
 
 
 def _file_iter(path: "Path | Callable[[], IO[bytes]]", offset: int, length: int, progress: Progress, sent: list[int]) -> _FileBody:
