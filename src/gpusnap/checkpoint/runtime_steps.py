@@ -28,6 +28,7 @@ from gpusnap.checkpoint.container import container_ref, env_with_path, fill_ref,
 from gpusnap.config import Settings
 from gpusnap.criu.config import TCP_ESTABLISHED_ANNOTATION
 from gpusnap.criu.locate import CriuInfo, find_criu
+from gpusnap.criu.logs import first_error
 from gpusnap.errors import ExitCode, GpusnapError, RestoreError, UsageError
 from gpusnap.gpu.base import ContainerRef, GpuPlan
 from gpusnap.gpu.devnodes import retarget_step
@@ -45,10 +46,12 @@ _FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "S
 
 
 class RuncFailed(GpusnapError):
-    """runc itself failed; its stderr already reached the caller and its exit status is kept."""
+    """runc itself failed; its stderr already reached the caller and its exit status is kept.
+    ``work``: CRIU's work directory, whose log names the cause when CRIU failed."""
 
-    def __init__(self, what: str, returncode: int) -> None:
-        super().__init__(f"{what} exited with status {returncode}")
+    def __init__(self, what: str, returncode: int, work: Path | None = None) -> None:
+        cause = first_error(work) if work is not None else None
+        super().__init__(f"{what} exited with status {returncode}" + (f" (CRIU: {cause})" if cause else ""))
         self.exit_code = returncode  # type: ignore[assignment]  # runc's own status, not ours
 
 
@@ -69,6 +72,11 @@ class RuncCall:
     def image_dir(self) -> Path:
         # runc's own default when --image-path is not given.
         return (self.cwd / (self.inv.value("image-path") or "checkpoint")).absolute()
+
+    def work_dir(self) -> Path:
+        """Where runc has CRIU write its logs: --work-path, else the image directory."""
+        work = self.inv.value("work-path")
+        return (self.cwd / work).absolute() if work else self.image_dir()
 
     def criu_args_env(self, criu: CriuInfo) -> tuple[list[str], dict[str, str]]:
         """The caller's argv with ``--criu`` added (unless given) and CRIU's dir first on PATH."""
@@ -116,7 +124,7 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
     def dump() -> None:
         rc = run_runc(call.runc, args, env=env).returncode
         if rc != 0:
-            raise RuncFailed("runc checkpoint", rc)
+            raise RuncFailed("runc checkpoint", rc, call.work_dir())
 
     from gpusnap.checkpoint.recovery import heal, is_suspended, operation_lock
 
@@ -394,7 +402,7 @@ def _restore_locked(call: RuncCall, settings: Settings, spec_steps: list[Step], 
         if runner is None:
             rc = run_runc(call.runc, args, env=env).returncode
             if rc != 0:
-                raise RuncFailed("runc restore", rc)
+                raise RuncFailed("runc restore", rc, call.work_dir())
         else:
             runner.start_and_wait_running()
         state = runc_state(call.runc, call.inv.global_opts, call.container_id, call.env)
@@ -456,7 +464,7 @@ class _Foreground:
             rc = self.proc.poll()
             if rc is not None:
                 if rc != 0:
-                    raise RuncFailed("runc restore", rc)
+                    raise RuncFailed("runc restore", rc, self.call.work_dir())
                 return  # restored and already exited: nothing left to wait for
             state = runc_state(self.call.runc, self.call.inv.global_opts, self.call.container_id, self.call.env)
             if state is not None and state.status in ("running", "paused"):

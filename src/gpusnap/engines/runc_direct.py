@@ -55,6 +55,7 @@ from gpusnap.errors import (
 )
 from gpusnap.engines.upper import EarlyPack, pack_upper, unpack_upper_apart
 from gpusnap.engines.workdirs import DUMP_DONE
+from gpusnap.criu.logs import first_error
 from gpusnap.metadata import GATE_ALL, GATE_ENV, GATE_PAGES, GATE_ROOTFS, GATE_STOP, read_restore_timings
 from gpusnap.steps import Beside, Step, background, run_steps
 
@@ -1034,16 +1035,8 @@ def _last_error_line(stderr: str | None) -> str:
 
 
 def _criu_log_tail(work: Path) -> str:
-    for log in ("dump.log", "restore.log"):
-        p = work / log
-        if p.is_file():
-            # The first error is the cause; CRIU then logs its consequences ("exited, status",
-            # "Dumping FAILED") and, on hosts with a low hard nofile limit, a harmless rlimit line.
-            noise = ("RLIMIT_NOFILE", "FAILED.", "exited, status=")
-            errs = [ln for ln in p.read_text(errors="replace").splitlines() if "Error" in ln and not any(n in ln for n in noise)]
-            if errs:
-                return "CRIU: " + errs[0].split("): ", 1)[-1].strip()
-    return "see the CRIU log in " + str(work)
+    err = first_error(work)
+    return f"CRIU: {err}" if err else "see the CRIU log in " + str(work)
 
 
 def _runtime_log_error(path: Path) -> str:
