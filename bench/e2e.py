@@ -866,6 +866,7 @@ AB_KNOBS = {
 CK_AB_KNOBS = {
     # as AB_KNOBS, for `checkpoint --push` of the running workload
     "store_nice": ("GPUSNAP_STORE_NICE", ("0", "10", "0", "10"), ("store and push beside the dump at nice 10", "at the command's own priority")),
+    "push_nice": ("GPUSNAP_PUSH_NICE", ("10", "19", "10", "19"), ("uploads beside the dump at nice 19 (the store at 10)", "uploads at the store's nice 10")),
 }
 
 
@@ -1161,6 +1162,8 @@ def main() -> int:
                    help="after the restore from the registry, four more: lazy pages served by gpusnap (GPUSNAP_LAZY_PAGES=1), eager, lazy, eager")
     ap.add_argument("--ab-store-nice", action="store_true",
                     help="also checkpoint --push the running workload with the store's threads at nice 0 and 10 in turn (GPUSNAP_STORE_NICE)")
+    ap.add_argument("--ab-push-nice", action="store_true",
+                    help="also checkpoint --push the running workload with its uploads at nice 10 and 19 in turn, the store at 10 (GPUSNAP_PUSH_NICE)")
     ap.add_argument("--skip-ckdiff", action="store_true", help="no ckdiff between the two checkpoints (its diagnosis is in earlier runs; saves ~30 s on the GPU host)")
     ap.add_argument("--py-spy", help="py-spy binary: record both restores' CLI timelines (a diagnosis: they run slower so)")
     ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources the gpusnap command runs, and exit")

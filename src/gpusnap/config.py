@@ -75,6 +75,10 @@ class Settings:
     # (gpusnap.host.priority): they give the cores to the dump the user waits for. 0: as the
     # gpusnap command itself.
     store_nice: int = 10
+    # The nice value of the uploads of `checkpoint --push` while CRIU dumps (the pipelined
+    # push); None: store_nice. Above store_nice, the store, which the tag waits for, goes first
+    # where the two compete for the cores.
+    push_nice: int | None = None
     # Whether a runc-direct restore through gpusnap-runtime starts runc and CRIU before its
     # memory pages are whole, CRIU held before it reads them (gpusnap.checkpoint.pages_hold).
     # Off by default: on the VM it gained nothing (bench/results/criu-hold-vm-2026-11-25: CRIU
@@ -108,6 +112,7 @@ _ENV = {
     "GPUSNAP_NET_PREFIX": "network_prefix",
     "GPUSNAP_STORE_WHILE_DUMPING": "store_while_dumping",
     "GPUSNAP_STORE_NICE": "store_nice",
+    "GPUSNAP_PUSH_NICE": "push_nice",
     "GPUSNAP_CRIU_BEFORE_PAGES": "criu_before_pages",
     "GPUSNAP_FETCH_PROCESSES": "fetch_processes",
     "GPUSNAP_LAZY_PAGES": "lazy_pages",
@@ -141,10 +146,12 @@ def _coerce(name: str, value: object, source: str) -> object:
         if not text.isdigit() or int(text) > 64:
             raise UsageError(f"{source}: fetch_processes must be auto or a whole number from 0 to 64, got {value!r}")
         return int(text)
-    if name == "store_nice":
+    if name in ("store_nice", "push_nice"):
         text = str(value).strip()
+        if name == "push_nice" and text.lower() in ("", "auto"):
+            return None
         if not text.isdigit() or int(text) > 19:
-            raise UsageError(f"{source}: store_nice must be a nice value from 0 to 19, got {value!r}")
+            raise UsageError(f"{source}: {name} must be a nice value from 0 to 19, got {value!r}")
         return int(text)
     if name == "lock_timeout_ms":
         try:

@@ -397,7 +397,8 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
             # Made on a thread: the registry client's imports may still be loading (_preload),
             # and the dump need not wait for them; the first pack is ready seconds later.
             # Its uploads give way to the dump, like the store's threads (gpusnap.host.priority).
-            ready = state["pipeline_ready"] = background(lambda: start_pipeline(settings.store_nice), name="gpusnap-push-start")
+            nice = settings.store_nice if settings.push_nice is None else settings.push_nice
+            ready = state["pipeline_ready"] = background(lambda: start_pipeline(nice), name="gpusnap-push-start")
 
             def on_blob(desc: Any) -> None:
                 ready.result().on_blob(desc)

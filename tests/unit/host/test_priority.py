@@ -77,3 +77,16 @@ def test_store_nice_setting(tmp_path: Path) -> None:
     for bad in ("20", "-1", "high"):
         with pytest.raises(UsageError, match="store_nice must be a nice value from 0 to 19"):
             load_settings(env={"GPUSNAP_STORE_NICE": bad}, config_file=absent)
+
+
+def test_push_nice_setting(tmp_path: Path) -> None:
+    absent = tmp_path / "none.toml"
+    assert load_settings(env={}, config_file=absent).push_nice is None  # the store's
+    assert load_settings(env={"GPUSNAP_PUSH_NICE": "19"}, config_file=absent).push_nice == 19
+    assert load_settings(env={"GPUSNAP_PUSH_NICE": "auto"}, config_file=absent).push_nice is None
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("push_nice = 15\n")
+    assert load_settings(env={}, config_file=cfg).push_nice == 15
+    for bad in ("20", "-1", "low"):
+        with pytest.raises(UsageError, match="push_nice must be a nice value from 0 to 19"):
+            load_settings(env={"GPUSNAP_PUSH_NICE": bad}, config_file=absent)
