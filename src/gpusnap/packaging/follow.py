@@ -30,8 +30,8 @@ Why the result is the same as storing the finished directory:
   takes the rest of the pages files and checks them on its own thread, while the runtime
   still works (a leave-running GPU checkpoint copies the GPU's state back for about a second),
   instead of after the engine has returned.
-* Then it packs the large files that appear after the dump (:func:`_large_extra`: those the
-  artifact stores as pieces, such as the engine's archive of an overlay's writable layer),
+* Then it packs the large files that appear after the dump (``artifact.large_extra``: those
+  the artifact stores as pieces, such as the engine's archive of an overlay's writable layer),
   provided they appear whole: ``engines.upper.pack_upper`` writes under a hidden name and
   renames, and a file whose identity (inode, size, change time) differs at :meth:`finish` from
   what was read is a :class:`FollowMismatch`, like a pagemap that changed.
@@ -230,12 +230,18 @@ class DumpFollower:
         from gpusnap.packaging.artifact import large_extra
 
         try:
-            found = sorted((e.name, e.stat(follow_symlinks=False)) for e in os.scandir(self.dir))
+            entries = sorted(os.scandir(self.dir), key=lambda e: e.name)
         except FileNotFoundError:
             return False
-        for name, st in found:
-            if name in self.extras or name.startswith(".") or PAGES_NAME.match(name) or not large_extra(name, st):
+        for entry in entries:
+            name = entry.name
+            if name in self.extras or name.startswith(".") or PAGES_NAME.match(name):
                 continue
+            try:
+                if not large_extra(name, entry.stat(follow_symlinks=False)):
+                    continue
+            except OSError:
+                continue  # gone since the listing (a hidden partial file renamed into place)
             try:
                 f = open(os.open(self.dir / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW), "rb", buffering=0)
             except OSError:

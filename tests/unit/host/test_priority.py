@@ -67,26 +67,16 @@ def test_pool_threads_of_a_pipelined_push_give_way(tmp_path: Path) -> None:
     plain.shutdown()
 
 
-def test_store_nice_setting(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "var", "default", "other"), [("store_nice", "GPUSNAP_STORE_NICE", 10, 0), ("push_nice", "GPUSNAP_PUSH_NICE", None, 19)])
+def test_nice_settings(tmp_path: Path, name: str, var: str, default: int | None, other: int) -> None:
     absent = tmp_path / "none.toml"
-    assert load_settings(env={}, config_file=absent).store_nice == 10
-    assert load_settings(env={"GPUSNAP_STORE_NICE": "0"}, config_file=absent).store_nice == 0
+    assert getattr(load_settings(env={}, config_file=absent), name) == default  # push_nice None: the store's
+    assert getattr(load_settings(env={var: str(other)}, config_file=absent), name) == other
     cfg = tmp_path / "c.toml"
-    cfg.write_text("store_nice = 15\n")
-    assert load_settings(env={}, config_file=cfg).store_nice == 15
+    cfg.write_text(f"{name} = 15\n")
+    assert getattr(load_settings(env={}, config_file=cfg), name) == 15
     for bad in ("20", "-1", "high"):
-        with pytest.raises(UsageError, match="store_nice must be a nice value from 0 to 19"):
-            load_settings(env={"GPUSNAP_STORE_NICE": bad}, config_file=absent)
-
-
-def test_push_nice_setting(tmp_path: Path) -> None:
-    absent = tmp_path / "none.toml"
-    assert load_settings(env={}, config_file=absent).push_nice is None  # the store's
-    assert load_settings(env={"GPUSNAP_PUSH_NICE": "19"}, config_file=absent).push_nice == 19
-    assert load_settings(env={"GPUSNAP_PUSH_NICE": "auto"}, config_file=absent).push_nice is None
-    cfg = tmp_path / "c.toml"
-    cfg.write_text("push_nice = 15\n")
-    assert load_settings(env={}, config_file=cfg).push_nice == 15
-    for bad in ("20", "-1", "low"):
-        with pytest.raises(UsageError, match="push_nice must be a nice value from 0 to 19"):
-            load_settings(env={"GPUSNAP_PUSH_NICE": bad}, config_file=absent)
+        with pytest.raises(UsageError, match=f"{name} must be a nice value from 0 to 19"):
+            load_settings(env={var: bad}, config_file=absent)
+    if name == "push_nice":
+        assert load_settings(env={var: "auto"}, config_file=absent).push_nice is None

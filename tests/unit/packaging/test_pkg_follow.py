@@ -358,3 +358,48 @@ def test_a_large_file_changed_after_it_was_packed_is_stored_from_the_finished_fi
     stored = api.store_checkpoint(tmp_path / "s", dump, form="criu-dir", ref="local/x:1", follower=follower)
     assert stored.digest
     assert _materialized(tmp_path / "s", "local/x:1", tmp_path / "out") == {f.name: f.read_bytes() for f in dump.iterdir()}
+
+
+def test_a_file_gone_between_the_listing_and_its_stat_hides_no_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os as os_module
+
+    dump = tmp_path / "dump"
+    FakeCriu(dump, pause_s=0).run()
+    real = os_module.scandir
+
+    class Gone:
+        """A listing's entry for a file renamed away before its stat (pack_upper's partial file)."""
+
+        name = "zz-renamed.bin"
+
+        def stat(self, follow_symlinks: bool = True) -> os_module.stat_result:
+            raise FileNotFoundError(self.name)
+
+    class Listing(list):  # type: ignore[type-arg]
+        def __enter__(self) -> "Listing":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    seen: list[int] = []
+
+    def scandir(path: object = ".") -> Listing:
+        entries = Listing(real(path))  # type: ignore[arg-type]
+        if Path(str(path)) == dump and (dump / "stats-dump").exists():
+            entries.append(Gone())
+            seen.append(1)
+        return entries
+
+    from gpusnap.packaging.artifact import LARGE_FILE
+
+    monkeypatch.setattr(os_module, "scandir", scandir)
+    follower = DumpFollower(OciStore(tmp_path / "s"), dump, compress=False, poll_s=0.001).start()
+    (dump / "stats-dump").write_bytes(b"stats")
+    _appear_whole(dump / "rootfs-upper.tar", random.Random(3).randbytes(LARGE_FILE))
+    _wait(lambda: "rootfs-upper.tar" in follower.extras, "the follower to pack the archive beside the vanished entry")
+    monkeypatch.setattr(os_module, "scandir", real)
+    assert seen
+    stored = api.store_checkpoint(tmp_path / "s", dump, form="criu-dir", ref="local/x:1", follower=follower)
+    assert _materialized(tmp_path / "s", "local/x:1", tmp_path / "out") == {f.name: f.read_bytes() for f in dump.iterdir()}
+    assert stored.digest
