@@ -12,10 +12,9 @@ def leave(code: object) -> None:
     `gpusnap checkpoint` imports numpy, zstandard, the registry client and the rest of the
     packaging code, the runtime's checkpoint the CUDA driver's bindings; freeing all of it
     module by module at exit took 0.1 s of the CLI on the 2-core CI machine, after the work
-    was done and durable. Where only this
-    thread is left, the exit handlers run and the standard streams are flushed, then the
-    process ends. Where any other thread still runs (a pool not shut down, a transfer), the
-    normal exit waits for it.
+    was done and durable. Where only this thread is left, the exit handlers run and the
+    standard streams are flushed, then the process ends. Where any other thread still runs (a
+    pool not shut down, a transfer), the normal exit waits for it.
     """
     # Imported here: the runtime shim imports this module on its way to every create.
     import atexit

@@ -195,6 +195,11 @@ def signals_as_exceptions(signums: Sequence[int] = (signal.SIGTERM, signal.SIGIN
             signal.signal(s, h)
 
 
+# What a report calls the time before a process's own first step: the interpreter's start, its
+# imports (and a CLI's parsing of its command line), from process_age_s.
+STARTUP = "start-up and imports"
+
+
 def process_age_s(proc: str = "/proc") -> float | None:
     """Seconds since this process started (the kernel's start time, in clock ticks): what came
     before the first step, the interpreter's start and the imports included, which no clock the

@@ -36,7 +36,7 @@ from gpusnap.gpu.plan import make_gpu_plan
 from gpusnap.metadata import GATE_ENV, RESTORE_TIMINGS_FILE, CheckpointMetadata, hook_notes_path, merge_restore_timings
 from gpusnap.runc.invoke import run_runc, runc_version
 from gpusnap.runc.argv import Invocation, with_global_flag
-from gpusnap.steps import Step, StepFailed, StepRecord, process_age_s, run_steps, signals_as_exceptions
+from gpusnap.steps import STARTUP, Step, StepFailed, StepRecord, process_age_s, run_steps, signals_as_exceptions
 
 # How often a foreground restore polls `runc state` while waiting for the container to run.
 _POLL_S = 0.05
@@ -169,7 +169,7 @@ class BeforeSteps:
         self._spent[what] = round(seconds, 4)
 
     def timings(self) -> dict[str, float]:
-        out = {"before: start-up and imports": round(self._age, 4)} if self._age is not None else {}
+        out = {f"before: {STARTUP}": round(self._age, 4)} if self._age is not None else {}
         return {**out, **{f"before: {k}": v for k, v in self._spent.items()}}
 
 
@@ -322,7 +322,7 @@ def record_restore_timings(image_dir: Path, records: list[StepRecord], hooks: di
     if pages_hold:
         extra["pages_hold_s"] = dict(pages_hold)
     if age_at_entry is not None:
-        extra["before_steps_s"] = {"start-up and imports": round(age_at_entry - (planned_s or 0.0), 4),
+        extra["before_steps_s"] = {STARTUP: round(age_at_entry - (planned_s or 0.0), 4),
                                    **({"plan the spec": round(planned_s, 4)} if planned_s is not None else {})}
     age = process_age_s()
     if age is not None:

@@ -11,15 +11,13 @@ from gpusnap.cli.context import get_ctx, require_root
 from gpusnap.cli.output import human_size
 from gpusnap.engines import orchestrate
 from gpusnap.engines.base import CheckpointOptions
-from gpusnap.steps import process_age_s
-
-# The first lap of a command's report: the interpreter's start, the imports and the parsing of
-# the command line, before the command's own code runs (named as the runtime names its own).
-STARTUP = "start-up and imports"
+from gpusnap.steps import STARTUP, process_age_s
 
 
 def _with_startup(timings: dict[str, float], age: float | None) -> dict[str, float]:
+    """The command's report with its own start-up first (named as the runtime names its own)."""
     return timings if age is None else {STARTUP: round(age, 3), **timings}
+
 
 ENGINE_OPT = typer.Option("--engine", "-e", help="auto (the engine that owns it), runc-direct, podman, docker, or cri (a pod's container over the node's CRI socket).")
 NAMESPACE_OPT = typer.Option("--namespace", help="--engine cri: the pod's Kubernetes namespace.")

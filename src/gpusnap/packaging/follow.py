@@ -150,7 +150,6 @@ class DumpFollower:
         self.bytes_while_dumping = 0  # pages handed to the writer before the dump ended
         self._finishing = False
         self.dump_over = False  # stats-dump seen: every pages file taken to its end and checked
-        self.dump_over_early = False  # ... by the follower's thread, before finish()
         self.extras: dict[str, _Extra] = {}  # large files packed after the dump, by name
         # Seconds this follower's thread spent after the dump ended, beside the runtime (AFTER_DUMP
         # keys): what the store then no longer waits for.
@@ -198,8 +197,8 @@ class DumpFollower:
         if self._error is not None:
             raise self._error
         assert self.writer is not None
-        self.dump_over_early = self.dump_over  # the thread saw the dump end (else: taken here, inside the store)
-        if not self.dump_over:
+        early = self.dump_over  # the thread saw the dump end (else: taken here, inside the store)
+        if not early:
             self._take_the_rest()
         for name, extra in self.extras.items():
             try:
@@ -211,7 +210,7 @@ class DumpFollower:
         files = {t.name: (t.number, int(t.cuts[-1]) * PAGE_SIZE) for t in self._ordered() if t.done}
         files.update((name, (extra.number, extra.size)) for name, extra in self.extras.items())
         writer, self.writer = self.writer, None  # build_artifact finishes or aborts it from here on
-        return Followed(writer, files, dict(self.after_dump) if self.dump_over_early else {})
+        return Followed(writer, files, dict(self.after_dump) if early else {})
 
     def _take_the_rest(self) -> None:
         """Every pages file is whole (the dump ended): add what is left of each and check them."""
