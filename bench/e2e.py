@@ -867,6 +867,7 @@ CK_AB_KNOBS = {
     # as AB_KNOBS, for `checkpoint --push` of the running workload
     "store_nice": ("GPUSNAP_STORE_NICE", ("0", "10", "0", "10"), ("store and push beside the dump at nice 10", "at the command's own priority")),
     "push_nice": ("GPUSNAP_PUSH_NICE", ("10", "19", "10", "19"), ("uploads beside the dump at nice 19 (the store at 10)", "uploads at the store's nice 10")),
+    "push_processes": ("GPUSNAP_PUSH_PROCESSES", ("0", "2", "0", "2"), ("uploads in 2 transfer processes", "uploads on threads of the storing process")),
 }
 
 
@@ -1077,7 +1078,9 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 if got:
                     med = statistics.median(x["seconds"] for x in got)
                     med_ck = statistics.median(x["timings_s"].get("checkpoint", 0) for x in got)
-                    extra = f"{med / bare_ck:.2f}x by hand; its checkpoint step {med_ck:.2f} s = {med_ck / bare_ck:.2f}x" if bare_ck else ""
+                    med_st = statistics.median(x["timings_s"].get("store the checkpoint", 0) for x in got)
+                    extra = (f"{med / bare_ck:.2f}x by hand; its checkpoint step {med_ck:.2f} s = {med_ck / bare_ck:.2f}x; "
+                             f"store after it {med_st:.2f} s" if bare_ck else "")
                     row(f"A/B: checkpoint --push, {label} ({len(got)} rounds, median)", med, extra)
         for knob, (_, _, labels) in AB_KNOBS.items():
             # e2e.json files before AB_KNOBS kept the criu_before_pages rounds under "restore_registry_ab" (--report reads them).
@@ -1164,6 +1167,8 @@ def main() -> int:
                     help="also checkpoint --push the running workload with the store's threads at nice 0 and 10 in turn (GPUSNAP_STORE_NICE)")
     ap.add_argument("--ab-push-nice", action="store_true",
                     help="also checkpoint --push the running workload with its uploads at nice 10 and 19 in turn, the store at 10 (GPUSNAP_PUSH_NICE)")
+    ap.add_argument("--ab-push-processes", action="store_true",
+                    help="also checkpoint --push the running workload with its uploads on the storing process's threads and in 2 transfer processes in turn (GPUSNAP_PUSH_PROCESSES)")
     ap.add_argument("--skip-ckdiff", action="store_true", help="no ckdiff between the two checkpoints (its diagnosis is in earlier runs; saves ~30 s on the GPU host)")
     ap.add_argument("--py-spy", help="py-spy binary: record both restores' CLI timelines (a diagnosis: they run slower so)")
     ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources the gpusnap command runs, and exit")

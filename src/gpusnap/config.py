@@ -85,9 +85,13 @@ class Settings:
     # reaches the hold 0.04 s after it starts; the rest of its restore is copying the pages),
     # on the GPU hosts 0.1-0.2 s, within one host's spread (docs/runtime.md).
     criu_before_pages: bool = False
-    # Transfer processes of a restore from a registry (gpusnap.packaging.fetch_worker): None =
+    # Transfer processes of a restore from a registry (gpusnap.packaging.transfer_worker): None =
     # chosen from the pull's size and the cores; 0 = all in the gpusnap process.
     fetch_processes: int | None = None
+    # Transfer processes of a push (gpusnap.packaging.transfer_worker), so that the uploads do
+    # not share the interpreter lock with ``checkpoint --push``'s store: None = 2 on a host of 4
+    # cores or more (a plain push: also 512 MiB of blobs or more); 0 = all in the gpusnap process.
+    push_processes: int | None = None
     # Whether a runc-direct restore lets the process go before its memory is in, CRIU's lazy
     # pages filled by gpusnap's own page server (gpusnap.criu.lazy_pages) while the GPU's state
     # is copied back. None ("auto"): where the kernel's userfaultfd has what CRIU needs. The
@@ -115,6 +119,7 @@ _ENV = {
     "GPUSNAP_PUSH_NICE": "push_nice",
     "GPUSNAP_CRIU_BEFORE_PAGES": "criu_before_pages",
     "GPUSNAP_FETCH_PROCESSES": "fetch_processes",
+    "GPUSNAP_PUSH_PROCESSES": "push_processes",
     "GPUSNAP_LAZY_PAGES": "lazy_pages",
 }
 
@@ -139,12 +144,12 @@ def _coerce(name: str, value: object, source: str) -> object:
         return HostPaths(Path(str(value)))
     if name in ("run_dir", "state_dir", "store_dir"):
         return Path(str(value))
-    if name == "fetch_processes":
+    if name in ("fetch_processes", "push_processes"):
         text = str(value).strip().lower()
         if text == "auto":
             return None
         if not text.isdigit() or int(text) > 64:
-            raise UsageError(f"{source}: fetch_processes must be auto or a whole number from 0 to 64, got {value!r}")
+            raise UsageError(f"{source}: {name} must be auto or a whole number from 0 to 64, got {value!r}")
         return int(text)
     if name in ("store_nice", "push_nice"):
         text = str(value).strip()

@@ -101,7 +101,8 @@ def _push(
         r = push_podman_image(api, _store(store), ref, remote, insecure=insecure, subject=subject)
     else:
         sealed = encryption_from_options(encrypt_key, recipient or [], encrypt_mode)
-        r = api.push(_store(store), ref, remote, insecure=insecure, subject=subject, **({"encryption": sealed} if sealed else {}))
+        r = api.push(_store(store), ref, remote, insecure=insecure, subject=subject, processes=load_settings().push_processes,
+                     **({"encryption": sealed} if sealed else {}))
     if as_json:
         _print_json(asdict(r))
         return

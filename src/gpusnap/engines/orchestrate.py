@@ -388,7 +388,8 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         cm = _transfer(progress, f"push {push}")
         bar = cm.__enter__()
         transfer.append(cm)
-        state["pipeline"] = api.start_push(settings.store_dir, push, insecure=insecure, progress=bar, nice=nice)
+        state["pipeline"] = api.start_push(settings.store_dir, push, insecure=insecure, progress=bar, nice=nice,
+                                             processes=settings.push_processes)
         return state["pipeline"]
 
     def follow() -> None:
@@ -464,7 +465,8 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
             if podman_image:
                 state["pushed"] = push_podman_image(api, settings.store_dir, state["ref"], push, insecure=insecure, progress=bar)
             else:
-                state["pushed"] = api.push(settings.store_dir, state["ref"], push, insecure=insecure, progress=bar)
+                state["pushed"] = api.push(settings.store_dir, state["ref"], push, insecure=insecure, progress=bar,
+                                             processes=settings.push_processes)
 
     steps = [Step("checkpoint", dump, bring_back), Step("write metadata", describe)]
     if follows:

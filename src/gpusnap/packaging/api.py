@@ -590,39 +590,41 @@ def make_podman_image(store_dir: Path, ref: str, image_ref: str) -> StoredCheckp
 
 # Re-exported here because they are part of the packaging API (registry.py holds the code).
 def push(store_dir: Path, ref: str, remote: str, *, insecure: bool = False, progress: Progress | None = None, subject: str | None = None,
-         encryption: EncryptionConfig | None = None) -> PushResult:
+         encryption: EncryptionConfig | None = None, processes: int | None = None) -> PushResult:
     """Upload the artifact ``ref`` to ``remote`` (``host[:port]/repo[:tag]``).
 
     ``subject``: an image reference in the same repository (e.g. the application image); the
     artifact is attached to it through the manifest's ``subject`` and the referrers API.
     ``encryption``: push an encrypted copy of a plaintext checkpoint (nothing readable leaves).
+    ``processes``: transfer processes for the uploads (0: none; None: from the size and cores).
     """
     from gpusnap.packaging.registry import push_artifact
 
     store = OciStore(Path(store_dir))
     if encryption is None:
-        return push_artifact(store, ref, remote, insecure=insecure, progress=progress, subject=subject)
+        return push_artifact(store, ref, remote, insecure=insecure, progress=progress, subject=subject, processes=processes)
     from gpusnap.packaging.encrypted import encrypt_tag, is_encrypted_manifest
 
     if is_encrypted_manifest(store.manifest(store.resolve(ref).digest)):
-        return push_artifact(store, ref, remote, insecure=insecure, progress=progress, subject=subject)
+        return push_artifact(store, ref, remote, insecure=insecure, progress=progress, subject=subject, processes=processes)
     tmp_ref = f"{normalize_ref(ref)}-encrypting-{os.getpid()}"
     encrypt_tag(store, ref, encryption, new_ref=tmp_ref)
     try:
-        return push_artifact(store, tmp_ref, remote, insecure=insecure, progress=progress, subject=subject)
+        return push_artifact(store, tmp_ref, remote, insecure=insecure, progress=progress, subject=subject, processes=processes)
     finally:
         store.untag(tmp_ref)
 
 
 def start_push(store_dir: Path, remote: str, *, insecure: bool = False, progress: Progress | None = None,
-               nice: int = 0) -> Any:
+               nice: int = 0, processes: int | None = None) -> Any:
     """A push that runs while the checkpoint is stored (``checkpoint --push``): pass its
     ``on_blob`` to :func:`store_checkpoint`, then call ``finish(ref)`` (the PushResult) or, if
     the store failed, ``cancel()``. See gpusnap.packaging.registry.PipelinedPush. ``nice``: its
-    upload threads' nice value (gpusnap.host.priority)."""
+    uploads' nice value (gpusnap.host.priority); ``processes``: transfer processes for them
+    (0: none; None: from the cores)."""
     from gpusnap.packaging.registry import PipelinedPush
 
-    return PipelinedPush(OciStore(Path(store_dir)), remote, insecure=insecure, progress=progress, nice=nice)
+    return PipelinedPush(OciStore(Path(store_dir)), remote, insecure=insecure, progress=progress, nice=nice, processes=processes)
 
 
 def open_remote(remote: str, *, insecure: bool = False) -> Any:

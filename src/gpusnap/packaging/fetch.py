@@ -53,9 +53,9 @@ import zstandard
 
 from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, RegistryError, UsageError
 from gpusnap.packaging import artifact as fmt
-from gpusnap.packaging import fetch_procs
+from gpusnap.packaging import transfer_procs
 from gpusnap.packaging import layout as lay
-from gpusnap.packaging.fetch_procs import Aborted as _Aborted
+from gpusnap.packaging.transfer_procs import Aborted as _Aborted
 from gpusnap.packaging.progress import NullProgress, Progress
 from gpusnap.packaging.registry import (
     RECV_SIZE,
@@ -89,7 +89,7 @@ FETCH_RECV = 2 << 20
 MAX_FETCH_WORKERS = 32
 
 
-def fetch_workers(client_workers: int) -> int:
+def transfer_workers(client_workers: int) -> int:
     """Transfers at once: one per core (at least the client's own count). Each transfer
     receives, hashes and writes its blob in turn, one core's worth of work, so fewer transfers
     than cores leaves cores idle; memory per transfer is one FETCH_RECV buffer."""
@@ -603,7 +603,7 @@ class FetchResult:
 
 class _Fetch:
     """The downloads of one fetch against ``client``'s registry, repository ``repo``: in the
-    fetching process, or in a transfer process (gpusnap.packaging.fetch_worker)."""
+    fetching process, or in a transfer process (gpusnap.packaging.transfer_worker)."""
 
     def __init__(self, client: RegistryClient, repo: str, progress: Progress) -> None:
         self.client, self.repo = client, repo
@@ -695,8 +695,8 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
     transfers (raises :class:`layout.Cancelled`). Either way a failure leaves nothing at ``dest``.
 
     ``processes``: how many transfer processes download the blobs (the pages blobs, when
-    staged) — past one interpreter's lock (gpusnap.packaging.fetch_worker); 0: all in this
-    process; None: :func:`fetch_procs.auto_processes` decides from the size and the cores.
+    staged) — past one interpreter's lock (gpusnap.packaging.transfer_worker); 0: all in this
+    process; None: :func:`transfer_procs.auto_processes` decides from the size and the cores.
 
     ``map_files``: ``dest``'s filesystem has room reserved for the whole image (the restore's
     own tmpfs), so transfer processes may receive straight into the files' mappings
@@ -736,7 +736,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
     fds: dict[str, int] = {}
     fetch = _Fetch(rc.client, rc.ref.repository, prog)
     fetch.cancel = cancel  # the caller's stop; ``abort`` is this fetch's own (a failed transfer sets it)
-    pool: fetch_procs.TransferProcesses | None = None
+    pool: transfer_procs.TransferProcesses | None = None
     try:
         for f in pl.files:
             fds[f.path] = _create_sparse(tmp, f.path, f.size)
@@ -799,10 +799,10 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         # stage is small and wanted soon), else all; the processes start now, while it runs.
         far = rest if staged is not None else first + rest
         far_files = late if staged is not None else set(fds)
-        n_procs = processes if processes is not None else fetch_procs.auto_processes(sum(blob_span(b)[1] - blob_span(b)[0] for b in far))
+        n_procs = processes if processes is not None else transfer_procs.auto_processes(sum(blob_span(b)[1] - blob_span(b)[0] for b in far))
         if far and n_procs > 0:
             try:
-                pool = fetch_procs.TransferProcesses(rc.client, rc.ref.repository, {p: fds[p] for p in far_files}, n_procs,
+                pool = transfer_procs.TransferProcesses(rc.client, rc.ref.repository, {p: fds[p] for p in far_files}, n_procs,
                                                      on_bytes=fetch.advance, on_total=prog.add_total, stopped=fetch.stopped,
                                                      map_files=map_files)
             except OSError:  # no process to be had (fork refused, a pipe broken at once): all in this one, slower
@@ -817,7 +817,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         jobs += [lambda b=b: near_job(b) for b in first]
         stage_one = len(jobs)
         jobs += [next_far for _ in rest]
-        workers = max(fetch_workers(rc.client.workers), pool.slots if pool is not None else 0)
+        workers = max(transfer_workers(rc.client.workers), pool.slots if pool is not None else 0)
         _run_all(jobs, workers, fetch.abort, (stage_one, in_place) if staged is not None else None, cancel=cancel)
         if pool is not None:
             pool.close()

@@ -95,7 +95,7 @@ class BlobPlan:
     placements: list[Placement]  # sorted by blob_offset; one stored range may feed several placements
 
     def to_wire(self) -> dict[str, Any]:
-        """As JSON, for a transfer process (gpusnap.packaging.fetch_worker)."""
+        """As JSON, for a transfer process (gpusnap.packaging.transfer_worker)."""
         return {"descriptor": self.descriptor.to_dict(),
                 "placements": [[p.path, p.file_offset, p.blob_offset, p.stored_length, p.raw_length, p.compressed,
                                 p.sha256.hex() if p.sha256 is not None else None] for p in self.placements]}

@@ -653,47 +653,77 @@ def _referrers_fallback(client: RegistryClient, repo: str, subject: Descriptor, 
     client.put_manifest(repo, tag, json.dumps(index, separators=(",", ":")).encode(), MEDIA_OCI_INDEX)
 
 
-class _BlobSender:
-    """Puts one blob of a store on a registry repository unless it is there already: HEAD,
-    then a cross-repository mount where this store knows a source, then an upload. Thread-safe;
-    shared by :func:`push_artifact` and :class:`PipelinedPush`."""
+def put_blob(store: OciStore, client: RegistryClient, repo: str, bd: Descriptor, mount_from: str | None, prog: Progress) -> str:
+    """Put the store's blob ``bd`` on ``repo`` unless it is there already: HEAD, then a
+    cross-repository mount from ``mount_from`` where given, then an upload. How it got there:
+    "skipped" (there already), "mounted" or "uploaded". Run in the pushing process or in a
+    transfer process (gpusnap.packaging.transfer_worker)."""
+    if client.blob_exists(repo, bd.digest):
+        return "skipped"
+    upload_url = None
+    if mount_from is not None:
+        mounted, upload_url = client.try_mount(repo, bd.digest, mount_from)
+        if mounted:
+            return "mounted"
+    prog.add_total(bd.size)
+    client.upload_blob(repo, bd, blob_opener(store, bd.digest), prog, upload_url)
+    return "uploaded"
 
-    def __init__(self, store: OciStore, client: RegistryClient, target: RemoteRef, prog: Progress) -> None:
+
+class _BlobSender:
+    """Puts the blobs of a store on a registry repository (:func:`put_blob`), each once.
+    Thread-safe; shared by :func:`push_artifact` and :class:`PipelinedPush`.
+
+    ``processes`` > 0: the transfers run in that many transfer processes (the calling threads
+    only wait for them), so that the uploads' interpreter work — a request, a mapping and a
+    send per 4 MiB, on 8 streams — does not take turns on one interpreter lock with the store,
+    which hashes and writes the next pages in this process meanwhile."""
+
+    def __init__(self, store: OciStore, client: RegistryClient, target: RemoteRef, prog: Progress, *,
+                 processes: int = 0, nice: int = 0) -> None:
         self.store, self.client, self.repo, self.prog = store, client, target.repository, prog
         self.mounts = _mount_sources(store, target)
         self.stats = {"uploaded": 0, "skipped": 0, "mounted": 0}
         self.on_registry: set[str] = set()  # blobs this push saw on the registry or put there
         self._lock = threading.Lock()
+        self.procs: Any = None
+        if processes > 0:
+            from gpusnap.packaging.transfer_procs import TransferProcesses
+
+            try:
+                self.procs = TransferProcesses(client, self.repo, {}, processes, on_bytes=prog.advance, on_total=prog.add_total,
+                                               stopped=lambda: False, store=str(store.root), nice=nice)
+            except OSError:  # no process to be had (fork refused): the uploads run here, slower
+                self.procs = None
 
     def send(self, bd: Descriptor) -> None:
         with self._lock:
             if bd.digest in self.on_registry:
                 return
-        if self.client.blob_exists(self.repo, bd.digest):
-            self._done(bd, "skipped")
-            return
-        upload_url = None
-        if bd.digest in self.mounts:
-            mounted, upload_url = self.client.try_mount(self.repo, bd.digest, self.mounts[bd.digest])
-            if mounted:
-                self._done(bd, "skipped", mounted=True)
-                return
-        self.prog.add_total(bd.size)
-        self.client.upload_blob(self.repo, bd, blob_opener(self.store, bd.digest), self.prog, upload_url)
-        self._done(bd, "uploaded")
+        mount_from = self.mounts.get(bd.digest)
+        if self.procs is not None:
+            how = self.procs.push(bd, mount_from)
+        else:
+            how = put_blob(self.store, self.client, self.repo, bd, mount_from, self.prog)
+        self._done(bd, how)
 
     def forget(self) -> None:
         """After a BLOB_UNKNOWN answer: ask the registry about every blob again."""
         with self._lock:
             self.on_registry.clear()
 
-    def _done(self, bd: Descriptor, how: str, *, mounted: bool = False) -> None:
+    def close(self, *, kill: bool = False) -> None:
+        """End the transfer processes, if any (``kill``: now, without waiting for their blobs)."""
+        if self.procs is not None:
+            self.procs.close(kill=kill)
+
+    def _done(self, bd: Descriptor, how: str) -> None:
         with self._lock:
             if bd.digest in self.on_registry:
                 return
             self.on_registry.add(bd.digest)
-            self.stats[how] += bd.size
-            self.stats["mounted"] += int(mounted)
+            self.stats["skipped" if how == "mounted" else how] += bd.size
+            self.stats["mounted"] += int(how == "mounted")
 
 
 def push_artifact(
@@ -706,9 +736,12 @@ def push_artifact(
     subject: str | None = None,
     client: RegistryClient | None = None,
     sender: "_BlobSender | None" = None,
+    processes: int | None = None,
 ) -> PushResult:
     """``sender``: the one a :class:`PipelinedPush` used while the checkpoint was stored; the
-    blobs it already put on the registry are not asked about again."""
+    blobs it already put on the registry are not asked about again. ``processes``: transfer
+    processes for the uploads (0: all in this process; None: chosen from the size and the
+    cores, :func:`gpusnap.packaging.transfer_procs.push_processes`)."""
     started = time.monotonic()
     target = RemoteRef.parse(remote)
     if target.digest and not target.tag:
@@ -741,7 +774,12 @@ def push_artifact(
             raise NotFoundError(f"blob {bd.digest} of {ref} is missing from the store; pull or store the checkpoint again")
     own_progress = progress is None and sender is None
     prog = sender.prog if sender is not None else (progress or default_progress(f"push {target}"))
-    sender = sender or _BlobSender(store, client, target, prog)
+    own_sender = sender is None
+    if sender is None:
+        from gpusnap.packaging.transfer_procs import push_processes
+
+        n = processes if processes is not None else push_processes(sum(bd.size for bd in blobs.values()))
+        sender = _BlobSender(store, client, target, prog, processes=n)
 
     try:
         _parallel(sender.send, list(blobs.values()), client.workers)
@@ -768,6 +806,8 @@ def push_artifact(
                 **({"annotations": manifest["annotations"]} if manifest.get("annotations") else {}),
             })
     finally:
+        if own_sender:
+            sender.close()
         if own_progress:
             prog.close()
     remember_remote(store, desc.digest, target)
@@ -789,7 +829,7 @@ class PipelinedPush:
     """
 
     def __init__(self, store: OciStore, remote: str, *, insecure: bool = False, progress: Progress | None = None,
-                 client: RegistryClient | None = None, nice: int = 0) -> None:
+                 client: RegistryClient | None = None, nice: int = 0, processes: int | None = None) -> None:
         self.store = store
         self.remote = remote
         self.target = RemoteRef.parse(remote)
@@ -797,7 +837,13 @@ class PipelinedPush:
             raise UsageError(f"push needs a tag, not a digest: {remote}")
         client = client or RegistryClient(self.target.registry, insecure=insecure)
         self._own_progress = progress is None
-        self.sender = _BlobSender(store, client, self.target, progress or default_progress(f"push {self.target}"))
+        from gpusnap.packaging.transfer_procs import push_processes
+
+        # The size is not known yet: the processes start now, while the runtime starts the
+        # checkpoint, so that they are ready when the first pack is.
+        n = processes if processes is not None else push_processes(None)
+        self.sender = _BlobSender(store, client, self.target, progress or default_progress(f"push {self.target}"),
+                                  processes=n, nice=nice)
         from gpusnap.host.priority import yielding_pool
 
         self._pool = yielding_pool(client.workers, "gpusnap-push", nice)
@@ -831,6 +877,7 @@ class PipelinedPush:
         with self._lock:
             for f in self._futures:
                 f.cancel()
+        self.sender.close(kill=True)  # the uploads in flight fail at once (Aborted), not after their blob
         self.close()
 
     def close(self) -> None:
@@ -838,6 +885,7 @@ class PipelinedPush:
             return
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.sender.close()
         if self._own_progress:
             self.sender.prog.close()
 

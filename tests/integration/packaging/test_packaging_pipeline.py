@@ -57,8 +57,9 @@ def files_of(root: Path) -> dict[str, tuple[bytes, int]]:
     return out
 
 
-def _pipelined_push(store: Path, src: Path, ref: str, remote: str, compress: bool, progress: object = None) -> object:
-    pipe = api.start_push(store, remote, insecure=True, progress=progress)
+def _pipelined_push(store: Path, src: Path, ref: str, remote: str, compress: bool, progress: object = None,
+                    processes: int | None = 0) -> object:
+    pipe = api.start_push(store, remote, insecure=True, progress=progress, processes=processes)
     seen: list[str] = []
 
     def on_blob(d: object) -> None:
@@ -84,7 +85,7 @@ def _pipelined_push(store: Path, src: Path, ref: str, remote: str, compress: boo
                 ids=["in-process", "2-processes", "2-processes-mapped"])
 def pull_mode(request: pytest.FixtureRequest) -> dict[str, object]:
     """How a restore's downloads run: in the fetching process, or in two transfer processes
-    (gpusnap.packaging.fetch_worker; a many-core host's default), writing with pwrite or
+    (gpusnap.packaging.transfer_worker; a many-core host's default), writing with pwrite or
     receiving straight into the files' mappings (fetch.FileMaps: a restore's own tmpfs)."""
     return dict(request.param)
 
@@ -215,17 +216,19 @@ def test_full_disk_during_pipelined_push_leaves_no_tag_on_the_registry(tmp_path:
     assert verify_store(s).ok
 
 
-def test_registry_dying_during_pipelined_push_leaves_no_tag(tmp_path: Path, registry: Registry) -> None:
+@pytest.mark.parametrize("processes", [0, 2], ids=["in-process", "2-processes"])
+def test_registry_dying_during_pipelined_push_leaves_no_tag(tmp_path: Path, registry: Registry, processes: int) -> None:
     """The uploads fail while the store is still going: the failure stops the store (on_blob
-    raises it) or the finish; either way the manifest is never put."""
+    raises it) or the finish; either way the manifest is never put. Also with the uploads in
+    transfer processes: the workers' error is raised here, and they end."""
     from gpusnap.errors import RegistryError
+    from gpusnap.packaging.registry import PipelinedPush
 
     src = _checkpoint_dir(tmp_path / "ck", 96, seed=17)
     remote = f"{registry.host}/gs-pkg/dying-push:v1"
     client = RegistryClient(registry.host, insecure=True, retries=2, backoff_s=0.1, workers=2)
     killer = _KillAfter(registry, 20 << 20, pause=None)
-    pipe = api.start_push(tmp_path / "store", remote, progress=killer)
-    pipe.sender.client = client
+    pipe = PipelinedPush(OciStore(tmp_path / "store"), remote, progress=killer, client=client, processes=processes)
     with pytest.raises(RegistryError):
         try:
             api.store_checkpoint(tmp_path / "store", src, form="criu-dir", ref="gs-pkg/dying-push", on_blob=pipe.on_blob)
@@ -234,8 +237,53 @@ def test_registry_dying_during_pipelined_push_leaves_no_tag(tmp_path: Path, regi
             raise
         pipe.finish("gs-pkg/dying-push")
     assert killer.killed.is_set()
+    if processes:
+        assert all(w.proc.poll() is not None for w in pipe.sender.procs.workers)
     registry.start()
     assert not registry.has_tag("gs-pkg/dying-push", "v1")
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["checkpoint-push", "push"])
+def test_uploads_in_transfer_processes_restore_bit_exact(tmp_path: Path, registry: Registry, pipelined: bool) -> None:
+    """The uploads run in two transfer processes (a host of 4 cores or more): the registry gets
+    the same artifact, progress counts every byte once, the processes run at the pusher's nice
+    value and end with the push; a second push of the same checkpoint sends only its config."""
+    from gpusnap.packaging.registry import push_artifact
+
+    src = _checkpoint_dir(tmp_path / "ck", 80, seed=23)
+    store = tmp_path / "store"
+    remote = f"{registry.host}/gs-pkg/procs-push:v1"
+    prog = CountingProgress()
+    if pipelined:
+        result = _pipelined_push(store, src, "gs-pkg/procs-push", remote, False, progress=prog, processes=2)
+    else:
+        api.store_checkpoint(store, src, form="criu-dir", ref="gs-pkg/procs-push")
+        result = api.push(store, "gs-pkg/procs-push", remote, insecure=True, progress=prog, processes=2)
+    assert result.uploaded_bytes > 70 << 20 and prog.done == prog.total == result.uploaded_bytes  # type: ignore[attr-defined]
+    again = push_artifact(OciStore(store), "gs-pkg/procs-push", f"{registry.host}/gs-pkg/procs-push:v2", insecure=True,
+                          progress=NullProgress(), processes=2)
+    assert again.uploaded_bytes == 0 and again.skipped_bytes == result.uploaded_bytes + result.skipped_bytes  # type: ignore[attr-defined]
+    out = api.fetch_into(tmp_path / "store2", open_remote(remote, insecure=True), tmp_path / "work" / "checkpoint", processes=0)
+    assert files_of(out.dest) == files_of(src)
+
+
+def test_push_workers_take_the_pushers_nice_value(tmp_path: Path, registry: Registry) -> None:
+    from gpusnap.packaging.registry import PipelinedPush
+
+    pipe = PipelinedPush(OciStore(tmp_path / "store"), f"{registry.host}/gs-pkg/nice:v1", insecure=True,
+                         progress=NullProgress(), nice=7, processes=2)
+    try:
+        workers = pipe.sender.procs.workers
+        import time
+
+        deadline = time.monotonic() + 30
+        # The worker lowers its priority once it has read its init line: wait for that.
+        while time.monotonic() < deadline and any(os.getpriority(os.PRIO_PROCESS, w.proc.pid) != 7 for w in workers):
+            time.sleep(0.02)
+        assert [os.getpriority(os.PRIO_PROCESS, w.proc.pid) for w in workers] == [7, 7]
+    finally:
+        pipe.cancel()
+    assert all(w.proc.poll() is not None for w in workers)
 
 
 def test_direct_restore_of_a_checkpoint_sharing_packs_fetches_only_what_it_uses(tmp_path: Path, registry: Registry, pull_mode: dict[str, object]) -> None:
@@ -312,7 +360,7 @@ def _transfer_processes(parent: int) -> list[int]:
             ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"gpusnap.packaging.fetch_worker" in cmd and ppid == parent:
+        if b"gpusnap.packaging.transfer_worker" in cmd and ppid == parent:
             found.append(int(d.name))
     return found
 
@@ -322,6 +370,34 @@ def _alive(pid: int) -> bool:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_kill9_of_a_push_leaves_no_transfer_process_behind(tmp_path: Path, registry: Registry) -> None:
+    """gpusnap killed while its transfer processes upload: they die with it, and no tag is put."""
+    import sys
+    import time
+
+    src = _checkpoint_dir(tmp_path / "ck", 256, seed=37)
+    api.store_checkpoint(tmp_path / "store", src, form="criu-dir", ref="gs-pkg/kill-push")
+    remote = f"{registry.host}/gs-pkg/kill-push:v1"
+    code = ("import sys; from pathlib import Path; from gpusnap.packaging import api; "
+            "api.push(Path(sys.argv[1]), 'gs-pkg/kill-push', sys.argv[2], insecure=True, processes=2)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "store"), remote])
+    try:
+        deadline = time.monotonic() + 30
+        workers: list[int] = []
+        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            workers = _transfer_processes(proc.pid)
+            time.sleep(0.005)
+        assert len(workers) == 2, "the push did not start its two transfer processes"
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(w) for w in workers)
+    assert not registry.has_tag("gs-pkg/kill-push", "v1")
 
 
 def test_kill9_of_a_fetch_leaves_no_transfer_process_behind(tmp_path: Path, registry: Registry) -> None:
