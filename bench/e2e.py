@@ -1013,6 +1013,9 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 row(f"  of which the last uploads and the manifest ({gb(sent):.2f} GB sent in all)", ps, rate_bytes=0)
             elif ps:
                 row(f"  of which push ({gb(sent):.2f} GB sent; GB/s of those)", ps, f"{gb(sent) / ps / http:.2f}x HTTP upload floor" if http else "", rate_bytes=sent)
+            for key, secs in t1.items():
+                if key.startswith("push the checkpoint: "):
+                    row(f"    {key[len('push the checkpoint: '):]}", secs, rate_bytes=0)
             for key in ("start-up and imports", "find the container, check the host", "remove the work dir"):  # before and after the steps
                 if key in t1:
                     row(f"  of which {key}", t1[key], rate_bytes=0)

@@ -312,6 +312,7 @@ def checkpoint(
 PREPARE_CHECKPOINT = "find the container, check the host"  # before any step (timings_s)
 # A step of the checkpoint; its phases are reported as "<step>: <phase>" (inside it, not laps).
 STORE_STEP = "store the checkpoint"
+PUSH_STEP = "push the checkpoint"
 
 
 def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerInfo, facts: HostFacts, *, opts: CheckpointOptions,
@@ -456,7 +457,9 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         if pipelined:
             progress(f"pushing the rest of {push}")
             try:
-                state["pushed"] = state["pipeline"].finish(state["ref"])
+                pipeline = state["pipeline"]
+                state["pushed"] = pipeline.finish(state["ref"])
+                state["push_phases"] = dict(getattr(pipeline, "phases", {}))
             finally:
                 end_pipeline()
             return
@@ -476,7 +479,7 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
     else:
         steps.append(Step(STORE_STEP, store, unstore))
         if push:
-            steps.append(Step("push the checkpoint", do_push))
+            steps.append(Step(PUSH_STEP, do_push))
     try:
         records = run_steps(steps)
     except StepFailed as exc:
@@ -502,6 +505,7 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         size=int(getattr(stored, "size", 0) or 0) if stored is not None else _path_size(output),
         timings_s={**{r.name: round(r.seconds, 3) for r in records}, "remove the work dir": round(time.perf_counter() - cleanup, 3),
                    **{f"{STORE_STEP}: {k}": v for k, v in state.get("store_phases", {}).items()},
+                   **{f"{PUSH_STEP}: {k}": v for k, v in state.get("push_phases", {}).items()},
                    # what the runtime recorded of its own steps (GPU lock, copy to host, runc checkpoint, …)
                    **{f"checkpoint: runtime: {k}": round(v, 3) for k, v in state["meta"].timings_s.items()},
                    **{f"checkpoint: engine: {k}": round(v, 3) for k, v in getattr(state.get("cp"), "timings_s", {}).items()}},

@@ -220,6 +220,8 @@ class DumpFollower:
         for t in self._ordered():
             if t.done:
                 self._recheck(t)
+        assert self.writer is not None
+        self.writer.seal_open()  # the last pages' packs: committed (and uploaded) now
         self.dump_over = True
         self.after_dump[AFTER_DUMP[0]] = round(time.perf_counter() - t0, 3)
 
@@ -251,6 +253,7 @@ class DumpFollower:
                 number = EXTRA_PROVISIONAL + len(self.extras)
                 t0 = time.perf_counter()
                 size = self.writer.add_cdc(number, f, st.st_size)
+                self.writer.seal_open()
                 self.after_dump[AFTER_DUMP[1]] = round(self.after_dump.get(AFTER_DUMP[1], 0.0) + time.perf_counter() - t0, 3)
             if size != st.st_size:
                 raise FollowMismatch(f"{name}: read {size} bytes of {st.st_size}; it changed while it was stored")

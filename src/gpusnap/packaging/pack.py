@@ -859,13 +859,21 @@ class PackWriter:
             self._submit(None, batch)
         return offset
 
-    def finish(self) -> PackResult:
+    def seal_open(self) -> None:
+        """Seal the packs being filled now, so that they are committed (and ``on_blob`` told,
+        which starts their uploads) without waiting for :meth:`finish`; what comes next goes to
+        new packs. For a natural break in the input: the follower calls it once a dump's pages
+        are all in, so the last packs go up while the runtime still copies the GPU state back,
+        instead of after the whole store."""
         while self.inflight:
             self._drain_one()
         for lane, pack in enumerate(self.open):
             if pack is not None:
                 self.open[lane] = None
                 self._seal(pack)
+
+    def finish(self) -> PackResult:
+        self.seal_open()
         while self.sealing:
             self.sealing.popleft().future.result()  # type: ignore[union-attr]
         self._check()

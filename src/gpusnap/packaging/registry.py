@@ -816,6 +816,11 @@ def push_artifact(
                       time.monotonic() - started)
 
 
+# What PipelinedPush.finish waits for: the uploads the store's blobs started, then the blobs the
+# store made last (its piece table, config) and the manifest.
+FINISH_PHASES = ("the uploads still going", "the last blobs and the manifest")
+
+
 class PipelinedPush:
     """``checkpoint --push`` without waiting for the whole store: each blob goes to the
     registry as soon as the store has committed it (``on_blob``), on a bounded pool of upload
@@ -850,6 +855,7 @@ class PipelinedPush:
         self._futures: list[Any] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.phases: dict[str, float] = {}
 
     def on_blob(self, desc: Descriptor) -> None:
         """The store committed ``desc`` (called on one of the store's threads): queue its upload."""
@@ -860,10 +866,15 @@ class PipelinedPush:
             self._futures = [f for f in self._futures if not f.done()] + [self._pool.submit(self.sender.send, desc)]
 
     def finish(self, ref: str, subject: str | None = None) -> Any:
-        """Wait for the uploads, send what the store made last, then the manifest: the PushResult."""
+        """Wait for the uploads, send what the store made last, then the manifest: the PushResult.
+        How long each part took is in ``phases`` (FINISH_PHASES)."""
         try:
+            t0 = time.perf_counter()
             self._wait()
-            return push_artifact(self.store, ref, self.remote, subject=subject, sender=self.sender)
+            t1 = time.perf_counter()
+            result = push_artifact(self.store, ref, self.remote, subject=subject, sender=self.sender)
+            self.phases = {FINISH_PHASES[0]: round(t1 - t0, 3), FINISH_PHASES[1]: round(time.perf_counter() - t1, 3)}
+            return result
         finally:
             self.close()
 

@@ -30,7 +30,8 @@ def test_restore_images_in_memory_then_gone(gs: Gs, registry: str, source: str) 
         # The store's phases and the runtime's own steps are named inside their steps.
         assert {"store the checkpoint: pack the rest", "store the checkpoint: publish (durable, then visible)",
                 "checkpoint: runtime: runc checkpoint", "checkpoint: runtime: before: start-up and imports",
-                "checkpoint: engine: gpusnap-runtime checkpoint", "checkpoint: engine: after the dump"} <= set(ck), ck
+                "checkpoint: engine: gpusnap-runtime checkpoint", "checkpoint: engine: after the dump",
+                "push the checkpoint: the uploads still going", "push the checkpoint: the last blobs and the manifest"} <= set(ck), ck
         last = wait_numbers(lambda: gs("logs", name).stdout, 1)[-1]
         gs("delete", name)
         if source == "registry":

@@ -114,7 +114,11 @@ def token_registry(tmp_path: Path) -> Iterator[tuple[Registry, TokenService]]:
         svc.stop()
 
 
-def test_push_and_pull_with_bearer_tokens(tmp_path: Path, token_registry: tuple[Registry, TokenService]) -> None:
+@pytest.mark.parametrize("processes", [0, 2], ids=["in-process", "2-transfer-processes"])
+def test_push_and_pull_with_bearer_tokens(tmp_path: Path, token_registry: tuple[Registry, TokenService], processes: int) -> None:
+    """Also with the uploads in transfer processes: they get the credentials from the pushing
+    process, ask the token service themselves, mount across repositories, and a refusal reaches
+    the user as the same one-line error."""
     reg, svc = token_registry
     src = tmp_path / "ck"
     src.mkdir()
@@ -125,20 +129,20 @@ def test_push_and_pull_with_bearer_tokens(tmp_path: Path, token_registry: tuple[
     remote = f"{reg.host}/gs-pkg/token:v1"
 
     with pytest.raises(RegistryError, match="requires a login"):
-        api.push(store, "gs-pkg/token", remote, insecure=True)
+        api.push(store, "gs-pkg/token", remote, insecure=True, processes=processes)
 
     home = Path(__import__("os").environ["HOME"])
     cfg = home / ".docker" / "config.json"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text(json.dumps({"auths": {reg.host: {"auth": base64.b64encode(f"{USER}:wrong".encode()).decode()}}}))
     with pytest.raises(RegistryError, match="refused the credentials"):
-        api.push(store, "gs-pkg/token", remote, insecure=True)
+        api.push(store, "gs-pkg/token", remote, insecure=True, processes=processes)
 
     cfg.write_text(json.dumps({"auths": {reg.host: {"auth": base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}}}))
-    api.push(store, "gs-pkg/token", remote, insecure=True)
+    api.push(store, "gs-pkg/token", remote, insecure=True, processes=processes)
     assert any("repository:gs-pkg/token:pull,push" in s for s in svc.issued)
     # A second repository on the same registry: blobs are mounted (token with two scopes).
-    pushed = api.push(store, "gs-pkg/token", f"{reg.host}/gs-pkg/token-copy:v1", insecure=True)
+    pushed = api.push(store, "gs-pkg/token", f"{reg.host}/gs-pkg/token-copy:v1", insecure=True, processes=processes)
     assert pushed.mounted_blobs > 0 and pushed.uploaded_bytes == 0
     assert any("repository:gs-pkg/token:pull" in s and "token-copy" in s for s in svc.issued)
 

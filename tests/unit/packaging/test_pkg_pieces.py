@@ -455,3 +455,37 @@ def test_a_podman_archive_with_its_pagemap_is_cut_by_address_from_the_stream(tmp
     assert sum(n for _, _, n in layout.zeros) >= (1 << 20) - PackParams().piece_pages * PAGE
     out = api.materialize_checkpoint(tmp_path / "s", "gs-pkg/p", tmp_path / "out", form="criu-dir")
     assert (out / "pages-1.img").read_bytes() == pages
+
+
+def test_seal_open_commits_the_packs_being_filled_before_the_finish(tmp_path: Path) -> None:
+    """What the follower does at the dump's end: every pack being filled is committed (on_blob
+    told) then, not at the finish; what comes later goes to new packs."""
+    import io
+    import threading
+    import time
+
+    from gpusnap.packaging.pack import PackWriter
+
+    store = OciStore(tmp_path / "s")
+    committed: list[int] = []
+    lock = threading.Lock()
+
+    def on_blob(desc: object) -> None:
+        with lock:
+            committed.append(desc.size)  # type: ignore[attr-defined]
+
+    first, second = _rand(9 << 20, 71), _rand(5 << 20, 72)  # less than a pack each (32 MiB)
+    with store.writing():
+        writer = PackWriter(store, compress=False, on_blob=on_blob, workers=2)
+        writer.add_cdc(0, io.BytesIO(first), len(first))
+        writer.seal_open()
+        deadline = time.monotonic() + 30
+        while sum(committed) < len(first) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sum(committed) == len(first), "the open packs were not committed at seal_open"
+        before = len(committed)
+        writer.add_cdc(1, io.BytesIO(second), len(second))
+        result = writer.finish()
+    assert len(committed) > before and sum(committed) == len(first) + len(second) == result.new_bytes
+    assert len(result.packs) == len(committed)
+    store.discard_pending()
