@@ -372,24 +372,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_kill9_of_a_push_leaves_no_transfer_process_behind(tmp_path: Path, registry: Registry) -> None:
-    """gpusnap killed while its transfer processes upload: they die with it, and no tag is put."""
+def _kill9_while_transferring(code: str, args: list[str], what: str) -> None:
+    """Run ``code`` (a push or a fetch with two transfer processes) in a process of its own,
+    kill -9 it once both workers are up, and see that they end with it."""
     import sys
     import time
 
-    src = _checkpoint_dir(tmp_path / "ck", 256, seed=37)
-    api.store_checkpoint(tmp_path / "store", src, form="criu-dir", ref="gs-pkg/kill-push")
-    remote = f"{registry.host}/gs-pkg/kill-push:v1"
-    code = ("import sys; from pathlib import Path; from gpusnap.packaging import api; "
-            "api.push(Path(sys.argv[1]), 'gs-pkg/kill-push', sys.argv[2], insecure=True, processes=2)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "store"), remote])
+    proc = subprocess.Popen([sys.executable, "-c", code, *args])
     try:
         deadline = time.monotonic() + 30
         workers: list[int] = []
         while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
             workers = _transfer_processes(proc.pid)
             time.sleep(0.005)
-        assert len(workers) == 2, "the push did not start its two transfer processes"
+        assert len(workers) == 2, f"the {what} did not start its two transfer processes"
     finally:
         proc.kill()
         proc.wait()
@@ -397,33 +393,26 @@ def test_kill9_of_a_push_leaves_no_transfer_process_behind(tmp_path: Path, regis
     while any(_alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(w) for w in workers)
+
+
+def test_kill9_of_a_push_leaves_no_transfer_process_behind(tmp_path: Path, registry: Registry) -> None:
+    """gpusnap killed while its transfer processes upload: they end with it, and no tag is put."""
+    src = _checkpoint_dir(tmp_path / "ck", 256, seed=37)
+    api.store_checkpoint(tmp_path / "store", src, form="criu-dir", ref="gs-pkg/kill-push")
+    remote = f"{registry.host}/gs-pkg/kill-push:v1"
+    code = ("import sys; from pathlib import Path; from gpusnap.packaging import api; "
+            "api.push(Path(sys.argv[1]), 'gs-pkg/kill-push', sys.argv[2], insecure=True, processes=2)")
+    _kill9_while_transferring(code, [str(tmp_path / "store"), remote], "push")
     assert not registry.has_tag("gs-pkg/kill-push", "v1")
 
 
 def test_kill9_of_a_fetch_leaves_no_transfer_process_behind(tmp_path: Path, registry: Registry) -> None:
-    """gpusnap killed (kill -9, OOM) while its transfer processes download: they die with it
-    (PR_SET_PDEATHSIG), so nothing writes into the image directory the next run sweeps."""
-    import sys
-    import time
-
+    """gpusnap killed (kill -9, OOM) while its transfer processes download: they end with it
+    (each watches its parent), so nothing writes into the image directory the next run sweeps."""
     src = _checkpoint_dir(tmp_path / "ck", 256, seed=31)
     remote = f"{registry.host}/gs-pkg/kill-fetch:v1"
     _pipelined_push(tmp_path / "store", src, "gs-pkg/kill-fetch", remote, compress=False)
     code = ("import sys; from pathlib import Path; from gpusnap.packaging import api; "
             "from gpusnap.packaging.fetch import open_remote; "
             "api.fetch_into(Path(sys.argv[1]), open_remote(sys.argv[2], insecure=True), Path(sys.argv[3]), processes=2)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "store2"), remote, str(tmp_path / "work" / "checkpoint")])
-    try:
-        deadline = time.monotonic() + 30
-        workers: list[int] = []
-        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            workers = _transfer_processes(proc.pid)
-            time.sleep(0.005)
-        assert len(workers) == 2, "the fetch did not start its two transfer processes"
-    finally:
-        proc.kill()
-        proc.wait()
-    deadline = time.monotonic() + 10
-    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(w) for w in workers)
+    _kill9_while_transferring(code, [str(tmp_path / "store2"), remote, str(tmp_path / "work" / "checkpoint")], "fetch")

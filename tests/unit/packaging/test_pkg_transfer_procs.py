@@ -43,13 +43,16 @@ def test_how_many_transfer_processes(size: int, cores: int, want: int) -> None:
     assert transfer_procs.auto_processes(size, cores) == want
 
 
-def test_the_setting_takes_auto_or_a_count_and_refuses_the_rest() -> None:
-    assert load_settings(env={}).fetch_processes is None
-    assert load_settings(env={"GPUSNAP_FETCH_PROCESSES": "auto"}).fetch_processes is None
-    assert load_settings(env={"GPUSNAP_FETCH_PROCESSES": "0"}).fetch_processes == 0
-    assert load_settings(env={"GPUSNAP_FETCH_PROCESSES": "6"}).fetch_processes == 6
-    with pytest.raises(UsageError, match="fetch_processes must be auto or a whole number"):
-        load_settings(env={"GPUSNAP_FETCH_PROCESSES": "many"})
+@pytest.mark.parametrize("name", ["fetch_processes", "push_processes"])
+def test_the_settings_take_auto_or_a_count_and_refuse_the_rest(name: str) -> None:
+    var = f"GPUSNAP_{name.upper()}"
+    assert getattr(load_settings(env={}), name) is None
+    assert getattr(load_settings(env={var: "auto"}), name) is None
+    assert getattr(load_settings(env={var: "0"}), name) == 0
+    assert getattr(load_settings(env={var: "6"}), name) == 6
+    for bad in ("many", "-1", "65"):
+        with pytest.raises(UsageError, match=f"{name} must be auto or a whole number"):
+            load_settings(env={var: bad})
 
 
 @pytest.fixture
@@ -122,15 +125,6 @@ def test_a_worker_that_dies_fails_its_blob_and_the_others_carry_on(tmp_path: Pat
 ])
 def test_how_many_push_processes(size: int | None, cores: int, want: int) -> None:
     assert transfer_procs.push_processes(size, cores) == want
-
-
-def test_the_push_setting_takes_auto_or_a_count_and_refuses_the_rest() -> None:
-    assert load_settings(env={}).push_processes is None
-    assert load_settings(env={"GPUSNAP_PUSH_PROCESSES": "auto"}).push_processes is None
-    assert load_settings(env={"GPUSNAP_PUSH_PROCESSES": "0"}).push_processes == 0
-    assert load_settings(env={"GPUSNAP_PUSH_PROCESSES": "3"}).push_processes == 3
-    with pytest.raises(UsageError, match="push_processes must be auto or a whole number"):
-        load_settings(env={"GPUSNAP_PUSH_PROCESSES": "-1"})
 
 
 def test_a_push_workers_error_is_raised_in_the_pusher_as_the_same_kind(tmp_path: Path, dead_port: int) -> None:
