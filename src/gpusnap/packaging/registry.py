@@ -701,9 +701,15 @@ class _BlobSender:
             if bd.digest in self.on_registry:
                 return
         mount_from = self.mounts.get(bd.digest)
+        how = None
         if self.procs is not None:
-            how = self.procs.push(bd, mount_from)
-        else:
+            from gpusnap.packaging.transfer_procs import WorkerDied
+
+            try:
+                how = self.procs.push(bd, mount_from)
+            except WorkerDied:
+                pass  # a worker killed, or none could start: this blob goes from here (an upload can start over)
+        if how is None:
             how = put_blob(self.store, self.client, self.repo, bd, mount_from, self.prog)
         self._done(bd, how)
 

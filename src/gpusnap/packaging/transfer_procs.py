@@ -54,6 +54,12 @@ PUSH_PROCESSES = 2
 MIN_CORES = 4
 
 
+class WorkerDied(errors.GpusnapError):
+    """The transfer process a blob was given to ended before answering (killed, out of memory,
+    or it could not start). The blob's transfer may be run again elsewhere: a push does it in
+    its own process."""
+
+
 class Aborted(Exception):
     """The fetch stopped (another transfer failed, or its caller's cancel) while this blob
     was out: not an error of its own."""
@@ -156,7 +162,7 @@ class TransferProcesses:
             left, w.pending = list(w.pending.values()), {}
             closed = self._closed
         for fut in left:
-            fut.set_exception(Aborted() if closed or self.stopped() else errors.GpusnapError(
+            fut.set_exception(Aborted() if closed or self.stopped() else WorkerDied(
                 f"a {self._what} transfer process ended unexpectedly (exit status {code}); try again"))
 
     @property
@@ -180,7 +186,7 @@ class TransferProcesses:
                 raise Aborted()
             alive = [x for x in self.workers if not x.dead]
             if not alive:
-                raise errors.GpusnapError(f"every {self._what} transfer process ended unexpectedly; try again")
+                raise WorkerDied(f"every {self._what} transfer process ended unexpectedly; try again")
             w = min(alive, key=lambda x: x.busy)
             w.busy += 1
             job = self._next

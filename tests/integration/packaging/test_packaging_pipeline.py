@@ -267,6 +267,35 @@ def test_uploads_in_transfer_processes_restore_bit_exact(tmp_path: Path, registr
     assert files_of(out.dest) == files_of(src)
 
 
+def test_a_push_whose_transfer_processes_die_goes_on_in_its_own_process(tmp_path: Path, registry: Registry) -> None:
+    """The workers killed (OOM, an operator) before and during the store: their blobs, and the
+    rest, are uploaded from the pushing process instead; the artifact on the registry is whole."""
+    from gpusnap.packaging.registry import PipelinedPush
+
+    src = _checkpoint_dir(tmp_path / "ck", 80, seed=29)
+    remote = f"{registry.host}/gs-pkg/procs-died:v1"
+    pipe = PipelinedPush(OciStore(tmp_path / "store"), remote, insecure=True, progress=NullProgress(), processes=2)
+    pipe.sender.procs.workers[0].proc.kill()
+    killed = []
+
+    def on_blob(d: object) -> None:
+        if not killed:  # the other one once the first blob is out
+            killed.append(True)
+            pipe.sender.procs.workers[1].proc.kill()
+        pipe.on_blob(d)
+
+    try:
+        api.store_checkpoint(tmp_path / "store", src, form="criu-dir", ref="gs-pkg/procs-died", on_blob=on_blob)
+    except BaseException:
+        pipe.cancel()
+        raise
+    result = pipe.finish("gs-pkg/procs-died")
+    assert killed and all(w.dead for w in pipe.sender.procs.workers)
+    assert result.uploaded_bytes > 70 << 20
+    out = api.fetch_into(tmp_path / "store2", open_remote(remote, insecure=True), tmp_path / "work" / "checkpoint", processes=0)
+    assert files_of(out.dest) == files_of(src)
+
+
 def test_push_workers_take_the_pushers_nice_value(tmp_path: Path, registry: Registry) -> None:
     from gpusnap.packaging.registry import PipelinedPush
 
