@@ -2,10 +2,12 @@
 it at a chosen point: ``python gs_rel_transfer.py push|pull|store STORE REF|SRC REMOTE|REF``,
 ``pushpipe STORE SRC REF REMOTE`` (checkpoint --push: store and upload at once), ``fetch STORE
 REMOTE DEST`` (restore from a registry straight into an image directory), ``materialize STORE
-REF DEST`` (a restore from the store: prints 0, then unpacks)."""
+REF DEST`` (a restore from the store: prints 0, then unpacks). ``GS_REL_PUSH_PROCESSES``: the
+uploads' transfer processes (default: gpusnap's own choice)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,12 +29,14 @@ class Printing(NullProgress):
 
 def main(argv: list[str]) -> int:
     op, store = argv[1], Path(argv[2])
+    procs = os.environ.get("GS_REL_PUSH_PROCESSES")
+    processes = int(procs) if procs else None
     if op == "push":
-        api.push(store, argv[3], argv[4], insecure=True, progress=Printing())
+        api.push(store, argv[3], argv[4], insecure=True, progress=Printing(), processes=processes)
     elif op == "pull":
         api.pull(store, argv[3], insecure=True, progress=Printing())
     elif op == "pushpipe":
-        pipe = api.start_push(store, argv[4], insecure=True, progress=Printing())
+        pipe = api.start_push(store, argv[4], insecure=True, progress=Printing(), processes=processes)
         try:
             api.store_checkpoint(store, Path(argv[3]), form="criu-dir", ref=argv[5] if len(argv) > 5 else "gs-rel/pipe:1",
                                  on_blob=pipe.on_blob)
