@@ -113,8 +113,9 @@ def _die_with_parent(parent: int) -> None:
 
 def client_from_wire(init: dict[str, Any]) -> RegistryClient:
     creds = Credentials(**init["credentials"]) if init.get("credentials") else None
+    sizes = {k: int(init[k]) for k in ("monolithic_limit", "patch_size") if k in init}  # an upload's request sizes
     client = RegistryClient(init["registry"], insecure=bool(init["insecure"]), credentials=creds, retries=int(init["retries"]),
-                            backoff_s=float(init["backoff_s"]), timeout_s=float(init["timeout_s"]))
+                            backoff_s=float(init["backoff_s"]), timeout_s=float(init["timeout_s"]), **sizes)
     client.adopt_auth(init.get("auth") or {})
     return client
 

@@ -56,7 +56,8 @@ def test_pool_threads_of_a_pipelined_push_give_way(tmp_path: Path) -> None:
     class NoRegistry:  # the pool is what is looked at; nothing is sent
         workers = 2
 
-    push = PipelinedPush(OciStore(tmp_path / "s"), "localhost:5000/x/y:1", client=NoRegistry(), nice=9)  # type: ignore[arg-type]
+    push = PipelinedPush(OciStore(tmp_path / "s"), "localhost:5000/x/y:1", client=NoRegistry(), nice=9,  # type: ignore[arg-type]
+                         processes=0)  # threads only, on any host (transfer processes need a real client)
     try:
         got = {push._pool.submit(thread_nice).result() for _ in range(4)}
     finally:
