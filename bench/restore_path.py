@@ -99,8 +99,8 @@ def _child(stage: str, args: dict) -> None:
 
         # Exploration knobs (what limits the pull on a many-core host): the transfer count and
         # the interpreter's GIL switch interval.
-        if args.get("transfer_workers"):
-            fetch.transfer_workers = lambda _n, k=int(args["transfer_workers"]): k  # type: ignore[assignment]
+        if args.get("fetch_workers"):
+            fetch.fetch_workers = lambda _n, k=int(args["fetch_workers"]): k  # type: ignore[assignment]
         if args.get("switch_interval"):
             sys.setswitchinterval(float(args["switch_interval"]))
 
@@ -272,7 +272,7 @@ def main() -> int:
             for v in filter(None, a.fetch_variants.split(",")):
                 knobs: dict[str, str] = {}
                 for part in v.split("+"):
-                    knobs[{"w": "transfer_workers", "s": "switch_interval", "p": "processes", "m": "map_files"}[part[0]]] = part[1:] or "1"
+                    knobs[{"w": "fetch_workers", "s": "switch_interval", "p": "processes", "m": "map_files"}[part[0]]] = part[1:] or "1"
                 rounds.append(knobs)
             for i, knobs in enumerate(rounds):
                 empty = Path(tempfile.mkdtemp(dir=a.work, prefix="empty-store-"))
@@ -300,7 +300,7 @@ def main() -> int:
                 for j in range(k):
                     empty = Path(tempfile.mkdtemp(dir=a.work, prefix="empty-store-"))
                     empties.append(empty)
-                    kw = {"store": str(empty), "remote": remote, "dest": str(a.dest / f"p{j}"), "transfer_workers": str(max(1, 16 // k))}
+                    kw = {"store": str(empty), "remote": remote, "dest": str(a.dest / f"p{j}"), "fetch_workers": str(max(1, 16 // k))}
                     procs.append(subprocess.Popen([sys.executable, __file__, "--child", "fetch", json.dumps(kw)], stdout=subprocess.PIPE, text=True))
                 outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
                 secs = time.perf_counter() - t0

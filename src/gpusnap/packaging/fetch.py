@@ -89,7 +89,7 @@ FETCH_RECV = 2 << 20
 MAX_FETCH_WORKERS = 32
 
 
-def transfer_workers(client_workers: int) -> int:
+def fetch_workers(client_workers: int) -> int:
     """Transfers at once: one per core (at least the client's own count). Each transfer
     receives, hashes and writes its blob in turn, one core's worth of work, so fewer transfers
     than cores leaves cores idle; memory per transfer is one FETCH_RECV buffer."""
@@ -817,7 +817,7 @@ def fetch_into(store: OciStore, rc: RemoteCheckpoint, dest: Path, *, progress: P
         jobs += [lambda b=b: near_job(b) for b in first]
         stage_one = len(jobs)
         jobs += [next_far for _ in rest]
-        workers = max(transfer_workers(rc.client.workers), pool.slots if pool is not None else 0)
+        workers = max(fetch_workers(rc.client.workers), pool.slots if pool is not None else 0)
         _run_all(jobs, workers, fetch.abort, (stage_one, in_place) if staged is not None else None, cancel=cancel)
         if pool is not None:
             pool.close()

@@ -53,6 +53,7 @@ from gpusnap.packaging.store import (
     sha256_digest,
     validate_digest,
 )
+from gpusnap.packaging.transfer_procs import TransferProcesses, WorkerDied, push_processes
 
 MANIFEST_ACCEPT = ", ".join([MEDIA_OCI_MANIFEST, MEDIA_OCI_INDEX, MEDIA_DOCKER_MANIFEST, MEDIA_DOCKER_LIST])
 MONOLITHIC_LIMIT = 32 << 20  # blobs up to this size go in one streamed PUT
@@ -688,8 +689,6 @@ class _BlobSender:
         self._lock = threading.Lock()
         self.procs: Any = None
         if processes > 0:
-            from gpusnap.packaging.transfer_procs import TransferProcesses
-
             try:
                 self.procs = TransferProcesses(client, self.repo, {}, processes, on_bytes=prog.advance, on_total=prog.add_total,
                                                stopped=lambda: False, store=str(store.root), nice=nice)
@@ -703,8 +702,6 @@ class _BlobSender:
         mount_from = self.mounts.get(bd.digest)
         how = None
         if self.procs is not None:
-            from gpusnap.packaging.transfer_procs import WorkerDied
-
             try:
                 how = self.procs.push(bd, mount_from)
             except WorkerDied:
@@ -782,8 +779,6 @@ def push_artifact(
     prog = sender.prog if sender is not None else (progress or default_progress(f"push {target}"))
     own_sender = sender is None
     if sender is None:
-        from gpusnap.packaging.transfer_procs import push_processes
-
         n = processes if processes is not None else push_processes(sum(bd.size for bd in blobs.values()))
         sender = _BlobSender(store, client, target, prog, processes=n)
 
@@ -848,8 +843,6 @@ class PipelinedPush:
             raise UsageError(f"push needs a tag, not a digest: {remote}")
         client = client or RegistryClient(self.target.registry, insecure=insecure)
         self._own_progress = progress is None
-        from gpusnap.packaging.transfer_procs import push_processes
-
         # The size is not known yet: the processes start now, while the runtime starts the
         # checkpoint, so that they are ready when the first pack is.
         n = processes if processes is not None else push_processes(None)

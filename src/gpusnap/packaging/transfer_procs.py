@@ -129,7 +129,7 @@ class TransferProcesses:
                 w = _Worker(proc)
                 self.workers.append(w)
                 self._send(w, init)
-                w.reader = threading.Thread(target=self._read, args=(w,), name="gpusnap-fetch-worker-reader", daemon=True)
+                w.reader = threading.Thread(target=self._read, args=(w,), name="gpusnap-transfer-reader", daemon=True)
                 w.reader.start()
         except BaseException:
             self.close(kill=True)

@@ -38,17 +38,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from gpusnap.errors import GpusnapError
-from gpusnap.packaging import layout as lay
 from gpusnap.packaging.auth import Credentials
-from gpusnap.packaging.fetch import FileMaps, _Fetch, make_router
-from gpusnap.packaging.transfer_procs import Aborted
 from gpusnap.packaging.registry import RegistryClient
+from gpusnap.packaging.transfer_procs import Aborted
 
 REPORT_EVERY = 8 << 20  # progress bytes sent at a time
 
 
 class _Channel:
-    """The answers to the fetching process, whole lines from any thread."""
+    """The answers to the parent process, whole lines from any thread."""
 
     def __init__(self, out: IO[str]) -> None:
         self.out, self.lock = out, threading.Lock()
@@ -121,6 +119,10 @@ def client_from_wire(init: dict[str, Any]) -> RegistryClient:
 
 
 def _fetcher(init: dict[str, Any], reporter: _Reporter) -> Callable[[dict[str, Any]], str | None]:
+    # Imported by the role that needs them: a push worker starts without the fetch's modules.
+    from gpusnap.packaging import layout as lay
+    from gpusnap.packaging.fetch import FileMaps, _Fetch, make_router
+
     fetch = _Fetch(client_from_wire(init), init["repository"], reporter)  # type: ignore[arg-type]
     fds: dict[str, int] = {path: int(fd) for path, fd in init["fds"].items()}
     # init["map"]: the image directory has room reserved for the whole image (fetch.FileMaps).
@@ -166,7 +168,7 @@ def serve(init: dict[str, Any], jobs: IO[str], out: IO[str]) -> None:
         except GpusnapError as exc:
             reporter.flush()
             channel.send({"id": job["id"], "error": type(exc).__name__, "message": str(exc)})
-        except Exception as exc:  # noqa: BLE001 - reported to the fetch, which raises it there
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it there
             reporter.flush()
             channel.send({"id": job["id"], "error": "GpusnapError", "message": f"a transfer process failed: {exc!r}"})
 
@@ -180,7 +182,7 @@ def main() -> int:
     _die_with_parent(parent)
     try:
         init = json.loads(sys.stdin.readline())
-    except ValueError:  # the fetch is gone (stdin closed before a word was said)
+    except ValueError:  # the parent is gone (stdin closed before a word was said)
         return 1
     if parent != int(init["parent"]):  # it died before this process was watching it
         return 1
