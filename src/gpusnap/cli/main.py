@@ -6,6 +6,7 @@ ExitCode (listed in `gpusnap --help`). Tracebacks only with -v.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -29,7 +30,56 @@ def _print_version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-def build_app() -> typer.Typer:
+# Which module registers each command. A command line that names one loads that module alone:
+# the others cost every call their imports and typer's building of every command (about 50 ms
+# of a 0.2 s start-up on a 2-core host), and `checkpoint`/`restore` are on the path a user
+# waits for. Help, completion and unknown words get every command. tests/unit/cli/test_main.py
+# holds this table to what the modules register.
+COMMAND_MODULES: dict[str, str] = {
+    "checkpoint": "gpusnap.cli.snapshot", "restore": "gpusnap.cli.snapshot",
+    "run": "gpusnap.cli.containers", "ps": "gpusnap.cli.containers", "logs": "gpusnap.cli.containers",
+    "delete": "gpusnap.cli.containers",
+    "doctor": "gpusnap.cli.doctor_cmd",
+    "demo": "gpusnap.cli.demo",
+    "push": "gpusnap.cli.artifacts", "pull": "gpusnap.cli.artifacts", "import": "gpusnap.cli.artifacts",
+    "ls": "gpusnap.cli.artifacts", "rm": "gpusnap.cli.artifacts", "gc": "gpusnap.cli.artifacts",
+    "inspect": "gpusnap.cli.artifacts", "verify": "gpusnap.cli.artifacts",
+    "install": "gpusnap.cli.install", "uninstall": "gpusnap.cli.install",
+    "suspend": "gpusnap.cli.suspend", "resume": "gpusnap.cli.suspend", "recover": "gpusnap.cli.suspend",
+    "cri-image": "gpusnap.cli.cri",
+}
+CORE_MODULES = ("gpusnap.cli.snapshot", "gpusnap.cli.containers", "gpusnap.cli.doctor_cmd", "gpusnap.cli.demo")
+# Command modules other parts of gpusnap add when present.
+OPTIONAL_MODULES = ("gpusnap.cli.artifacts", "gpusnap.cli.install", "gpusnap.cli.suspend", "gpusnap.cli.cri")
+GLOBAL_VALUE_OPTIONS = ("--config",)  # the global options that take a value (see _global)
+
+
+def named_command(args: list[str]) -> str | None:
+    """The command word of a command line (``gpusnap -v checkpoint x`` -> checkpoint); None
+    when it asks for the whole app (no command, --help or --version before one)."""
+    rest = iter(args)
+    for arg in rest:
+        if arg in ("-h", "--help", "--version"):
+            return None
+        if arg in GLOBAL_VALUE_OPTIONS:
+            next(rest, None)
+            continue
+        if arg.startswith("-"):
+            continue
+        return arg
+    return None
+
+
+def command_modules(args: list[str] | None) -> tuple[str, ...]:
+    """The modules to register for ``args``: the one that holds its command, else all."""
+    if args is None or any(key.startswith("_GPUSNAP_COMPLETE") for key in os.environ):
+        return (*CORE_MODULES, *OPTIONAL_MODULES)
+    only = COMMAND_MODULES.get(named_command(args) or "")
+    return (only,) if only is not None else (*CORE_MODULES, *OPTIONAL_MODULES)
+
+
+def build_app(args: list[str] | None = None) -> typer.Typer:
+    """The typer app; with ``args``, only the command module they need (see COMMAND_MODULES)."""
     app = typer.Typer(
         name="gpusnap",
         help="Checkpoint GPU (and CPU) containers, move them through a registry, restore them anywhere.",
@@ -48,29 +98,20 @@ def build_app() -> typer.Typer:
     ) -> None:
         ctx.obj = Ctx(settings=load_settings(config_file=config), out=Out.make(verbose))
 
-    from gpusnap.cli import containers, demo, doctor_cmd, snapshot
-
-    for module in (snapshot, containers, doctor_cmd, demo):
-        module.register(app)
-    _register_optional(app)
-    return app
-
-
-def _register_optional(app: typer.Typer) -> None:
-    """Command modules other parts of gpusnap add (install, suspend, artifacts) when present."""
     import importlib
 
-    for name in ("gpusnap.cli.artifacts", "gpusnap.cli.install", "gpusnap.cli.suspend", "gpusnap.cli.cri"):
+    for name in command_modules(args):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name != name:
+            if exc.name != name or name not in OPTIONAL_MODULES:
                 raise
             continue
         module.register(app)
+    return app
 
 
-def build_command() -> typer.core.TyperGroup:
+def build_command(args: list[str] | None = None) -> typer.core.TyperGroup:
     """The command behind `gpusnap`, with every help text taken literally.
 
     Typer renders help through rich markup, so a help text such as ``HOST:CONTAINER[/tcp|udp]``
@@ -79,7 +120,7 @@ def build_command() -> typer.core.TyperGroup:
     """
     from rich.markup import escape
 
-    command = typer.main.get_command(build_app())
+    command = typer.main.get_command(build_app(args))
 
     def literal(cmd: object) -> None:
         for attr in ("help", "short_help", "epilog"):
@@ -104,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Standalone mode: typer/click print usage errors themselves (exit 2) and turn --help,
         # completion, typer.Exit and a command's normal end into SystemExit.
-        build_command().main(args=args, prog_name="gpusnap")
+        build_command(args).main(args=args, prog_name="gpusnap")
     except GpusnapError as exc:
         if verbose:
             traceback.print_exc()

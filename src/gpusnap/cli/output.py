@@ -10,9 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
-from rich.progress import ProgressColumn
-from rich.table import Column, Table
-from rich.text import Text
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from rich.table import Column
+
+# rich.progress, rich.table and rich.text load where they are used: checkpoint and restore
+# print no table and, off a terminal, no progress (about 15 ms of every command's start-up).
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ class Out:
         Pass a rich Column to say how a column gives way: identifiers should never wrap, free
         text (commands) ends in an ellipsis rather than pushing lines past the width.
         """
+        from rich.table import Column, Table
+
         table = Table(title=title, box=None, header_style="bold", pad_edge=False, expand=False)
         for col in columns:
             if isinstance(col, Column):
@@ -70,20 +76,21 @@ class Out:
             return
         from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 
-        bytes_only = [_TransferColumn(c) for c in (BarColumn(), DownloadColumn(), TransferSpeedColumn())]
+        bytes_only = [_transfer_column(c) for c in (BarColumn(), DownloadColumn(), TransferSpeedColumn())]
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), *bytes_only, console=self.stderr, transient=True) as live:
             yield Reporter(live, self.detail, live.add_task(start, total=None))
 
 
-class _TransferColumn(ProgressColumn):
-    """Shows its column for byte transfers only; step lines are a spinner and their text."""
+def _transfer_column(inner: Any) -> Any:
+    """``inner`` shown for byte transfers only; step lines are a spinner and their text."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
 
-    def __init__(self, inner: ProgressColumn) -> None:
-        super().__init__()
-        self._inner = inner
+    class TransferColumn(ProgressColumn):
+        def render(self, task: Any) -> Any:
+            return inner.render(task) if task.fields.get("transfer") else Text("")
 
-    def render(self, task: Any) -> Any:
-        return self._inner.render(task) if task.fields.get("transfer") else Text("")
+    return TransferColumn()
 
 
 class _Transfer:

@@ -49,8 +49,6 @@ def register(app: typer.Typer) -> None:
         With --engine cri, CONTAINER is POD[/CONTAINER] and the checkpoint is the kubelet's:
         a checkpoint archive (the container keeps running), pushed as a checkpoint image with --push."""
         started = process_age_s()
-        from gpusnap.packaging.crypto import encryption_from_options
-
         require_root("gpusnap checkpoint")
         c = get_ctx(ctx)
         if engine == "cri":
@@ -60,7 +58,12 @@ def register(app: typer.Typer) -> None:
             return
         opts = CheckpointOptions(leave_running=leave_running, tcp_established=tcp_established, compress=compress)
         # Keys are read before anything is dumped: a bad key file must not cost a checkpoint.
-        encryption = encryption_from_options(encrypt_key, recipient or [], encrypt_mode)
+        encryption = None
+        if encrypt_key is not None or recipient or encrypt_mode is not None:
+            # Only then: the crypto module and its library take ~20 ms to import, before the dump.
+            from gpusnap.packaging.crypto import encryption_from_options
+
+            encryption = encryption_from_options(encrypt_key, recipient or [], encrypt_mode)
         sealed = {"encryption": encryption} if encryption is not None else {}
         with c.out.progress(f"checkpointing {container}") as progress:
             outcome = orchestrate.checkpoint(c.settings, container, engine=engine, opts=opts, push=push, output=output, insecure=insecure, progress=progress,

@@ -296,7 +296,7 @@ def checkpoint(
                          "and restore it with gpusnap restore)")
     if info.status == DAMAGED:
         raise UsageError(f"{info.name} is damaged: its lazy restore ended before all its memory was in; delete it and restore its checkpoint again")
-    if not eng.is_running(info):
+    if not info.running:  # find_container just asked the engine; asking again costs a runtime call
         raise UsageError(f"{info.name} is not running ({info.status or 'stopped'}) in {eng.name}; start it before checkpointing")
     facts = gather(settings, with_gpus=False)
     require_compatible(None, facts, what=info.name)  # CRIU present and new enough

@@ -756,7 +756,9 @@ class RuncDirectEngine(EngineBase):
         rec = self._load(container.name)
         if rec is None:
             raise NotFoundError(f"no runc-direct container {container.name}; `gpusnap ps` lists them")
-        if not self.is_running(container):
+        # The caller's ContainerInfo comes from runc's state moments ago (orchestrate.checkpoint);
+        # a container that stopped since fails the runtime's own `runc state`, in its words.
+        if not container.running:
             raise CheckpointError(f"{container.name} is not running ({container.status}); only running containers can be checkpointed")
         timings: dict[str, float] = {}
         clock = time.perf_counter()

@@ -103,3 +103,77 @@ def test_commands_that_need_root_say_so(capsys: pytest.CaptureFixture[str], monk
     code, _, err = run(capsys, *argv)
     assert code == ExitCode.USAGE
     assert err.strip() == f"gpusnap: error: gpusnap {argv[0]} needs root (CRIU and runc do); run it as root (with sudo if you are not)"
+
+
+def _commands_of(module_name: str) -> set[str]:
+    import importlib
+
+    import typer
+
+    app = typer.Typer()
+
+    @app.callback()
+    def _group() -> None: ...
+
+    importlib.import_module(module_name).register(app)
+    return set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+
+
+def test_command_table_matches_what_each_module_registers() -> None:
+    from gpusnap.cli import main as cli_main
+
+    registered = {cmd: name for name in (*cli_main.CORE_MODULES, *cli_main.OPTIONAL_MODULES) for cmd in _commands_of(name)}
+    assert registered == cli_main.COMMAND_MODULES
+
+
+@pytest.mark.parametrize(("args", "word"), [
+    (["checkpoint", "x", "--push", "r/a:b"], "checkpoint"),
+    (["-v", "restore", "r/a:b"], "restore"),
+    (["--config", "/etc/x.toml", "ps"], "ps"),
+    (["--config", "checkpoint", "ps"], "ps"),  # the config file's name is not a command
+    (["--help"], None),
+    (["--version", "checkpoint"], None),
+    ([], None),
+])
+def test_named_command(args: list[str], word: str | None) -> None:
+    from gpusnap.cli.main import named_command
+
+    assert named_command(args) == word
+
+
+def test_one_command_loads_its_module_only_and_unknown_words_get_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    import typer
+
+    from gpusnap.cli.main import build_app
+
+    only = set(typer.main.get_command(build_app(["checkpoint", "x"])).commands)  # type: ignore[attr-defined]
+    assert only == {"checkpoint", "restore"}
+    every = set(typer.main.get_command(build_app(["no-such-command"])).commands)  # type: ignore[attr-defined]
+    assert {"checkpoint", "push", "doctor", "install", "cri-image"} <= every
+    monkeypatch.setenv("_GPUSNAP_COMPLETE", "complete_bash")
+    assert set(typer.main.get_command(build_app(["checkpoint"])).commands) == every  # type: ignore[attr-defined]
+
+
+def test_unknown_command_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "chekpoint", "x")
+    assert code == ExitCode.USAGE
+    assert "chekpoint" in err
+
+
+def test_checkpoint_start_up_loads_neither_pydantic_nor_other_commands() -> None:
+    """What a `gpusnap checkpoint` pays before its first step (a fresh interpreter: the test
+    process has imported everything already)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from gpusnap.cli.main import build_command\n"
+        "cmd = build_command(['checkpoint', 'x', '--push', 'r/a:b'])\n"
+        "cmd.make_context('gpusnap', ['checkpoint', 'x', '--push', 'r/a:b'])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pydantic' or m in (\n"
+        "    'gpusnap.cli.artifacts', 'gpusnap.cli.demo', 'gpusnap.cli.install', 'gpusnap.cli.cri',\n"
+        "    'gpusnap.packaging.crypto', 'rich.progress', 'rich.table')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
