@@ -192,22 +192,41 @@ def floor_sha256(size: int) -> dict[str, float]:
             "cores": cores}
 
 
-def floor_disk(size: int, directory: str) -> dict[str, float]:
+def floor_disk(size: int, directory: str, writers: tuple[int, ...] = (1, 4)) -> dict[str, float]:
+    """Buffered writes of ``size`` random bytes, each writer to its own file, then fdatasync, after
+    a sync: what the store's disk takes, as the store writes (packs side by side, each synced). One writer, then several: the GPU hosts' virtio disk took 1.16
+    GB/s from one writer and 2.01 from four (O_DIRECT no better: 1.22-1.62). ``disk_write_gbps``
+    is the best of them, the floor the store is held to."""
     block = random.Random(3).randbytes(8 * MIB)
-    path = Path(directory) / f"e2e-floor-{os.getpid()}"
-    t0 = time.perf_counter()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    out: dict[str, float] = {}
+    for n in writers:
+        os.sync()  # what others left dirty is not this case's to write
+        paths = [Path(directory) / f"e2e-floor-{os.getpid()}-{i}" for i in range(n)]
+
+        def write(path: Path, blocks: int) -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                for _ in range(blocks):
+                    os.write(fd, block)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+        blocks = max(1, size // len(block) // n)
+        threads = [threading.Thread(target=write, args=(p, blocks)) for p in paths]
+        t0 = time.perf_counter()
         try:
-            for _ in range(size // len(block)):
-                os.write(fd, block)
-            os.fsync(fd)
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            secs = time.perf_counter() - t0
         finally:
-            os.close(fd)
-        secs = time.perf_counter() - t0
-    finally:
-        path.unlink(missing_ok=True)
-    return {"disk_write_gbps": gb(size) / secs}
+            for p in paths:
+                p.unlink(missing_ok=True)
+        out[f"disk_write_gbps_{n}_writer{'s' if n > 1 else ''}"] = gb(blocks * n * len(block)) / secs
+    out["disk_write_gbps"] = max(out.values())
+    return out
 
 
 def floor_http(size: int, host: str, streams: int) -> dict[str, float]:
