@@ -229,6 +229,23 @@ def floor_disk(size: int, directory: str, writers: tuple[int, ...] = (1, 4)) -> 
     return out
 
 
+def floor_python(gpusnap: str, runs: int = 7) -> dict[str, float]:
+    """What each of the two Python processes of a checkpoint (the CLI, the runtime shim) pays
+    before its first line: this interpreter's start as installed (site, .pth files), without
+    site (-I -S), and `gpusnap --version` (the CLI's imports and typer's app). Medians, seconds."""
+    def median_of(argv: list[str]) -> float:
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return {"python_start_s": median_of([sys.executable, "-c", "pass"]),
+            "python_start_no_site_s": median_of([sys.executable, "-I", "-S", "-c", "pass"]),
+            "gpusnap_version_s": median_of([gpusnap, "--version"])}
+
+
 def floor_http(size: int, host: str, streams: int) -> dict[str, float]:
     """Blob uploads (monolithic PUT) and downloads against the registry: one stream, then
     ``streams`` at once, each its own connection; digests computed before the clock starts.
@@ -977,6 +994,8 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
     for k, v in f.items():
         if k.endswith("gbps") or "_gbps_" in k:
             lines.append(f"| {k.replace('_gbps', '').replace('_', ' ')} | {v:.2f} |")
+        elif k.endswith("_s") and isinstance(v, float):
+            lines.append(f"| {k[:-2].replace('_', ' ')} | {v:.3f} s |")
     store_target = 2.0 if gpu else 0.8
     io_floor = min(f.get("sha256_gbps_x_cores", 1e9), f.get("disk_write_gbps", 1e9))
     http = max((v for k, v in f.items() if k.startswith("http_up_gbps")), default=0)
@@ -1200,7 +1219,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.floor:
         kw = json.loads(args.floor_args or "{}")
-        fn = {"memcpy": floor_memcpy, "sha256": floor_sha256, "disk": floor_disk, "http": floor_http}[args.floor]
+        fn = {"memcpy": floor_memcpy, "sha256": floor_sha256, "disk": floor_disk, "http": floor_http, "python": floor_python}[args.floor]
         print(json.dumps(fn(**kw)))
         return 0
 
@@ -1251,6 +1270,7 @@ def main() -> int:
         floors |= run_floor("sha256", size=fsize)
         floors |= run_floor("disk", size=fsize, directory=str(args.work))
         floors |= run_floor("http", size=fsize, host=registry.host, streams=min(8, os.cpu_count() or 1))
+        floors |= run_floor("python", gpusnap=gpusnap)
         # Whether the registry writes to the disk the stores write to (the one-disk floor below);
         # GPU runs keep it on /dev/shm.
         reg_root.mkdir(parents=True, exist_ok=True)
