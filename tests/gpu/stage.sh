@@ -65,6 +65,8 @@ if [ "${GS_GPU_CRI:-0}" = 1 ]; then
   rm -rf "$DEST/.gpu-tools/bin" "$DEST/.gpu-tools/criu42"
 fi
 rm -f "$DEST"/.whl/gpusnap-*.whl
+# setuptools reuses build/lib: a module removed from src/ would otherwise ride along in the wheel.
+rm -rf "$SRC/build/lib"
 PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python
 # A checkout's own venv has setuptools and wheel; a clean checkout builds in pip's isolated
 # build environment instead (setuptools and wheel from the configured index).
