@@ -288,8 +288,10 @@ def checkpoint(
     api = None if output is not None else packaging_api()
     if api is not None:
         # What the store and the push import (numpy, requests: a while the first time) loads
-        # while the engine dumps, on a thread that costs the dump nothing (it waits on runc).
-        background(lambda: _preload("gpusnap.packaging.pack", *(["gpusnap.packaging.registry"] if push else [])), name="gpusnap-import")
+        # while the engine dumps, on a thread that gives way to the dump like the store's own
+        # threads (host/priority.py): on a host with no core to spare the dump goes first.
+        modules = ["gpusnap.packaging.pack", *(["gpusnap.packaging.registry"] if push else [])]
+        background(lambda: _preload(*modules, nice=settings.store_nice), name="gpusnap-import")
     eng, info = find_container(container, engine, settings)
     if podman_image and eng.form != FORM_PODMAN_ARCHIVE:
         raise UsageError(f"--podman-image needs a podman container; {info.name} runs in {eng.name} (push it without --podman-image "
@@ -755,11 +757,14 @@ def _import_packaging(settings: Settings, source: str) -> None:
             _preload("gpusnap.packaging.fetch")
 
 
-def _preload(*modules: str) -> bool:
-    """Import ``modules`` (on a background thread, ahead of their use); False if one fails: the
-    import where it is needed says what is missing (packaging_api())."""
+def _preload(*modules: str, nice: int = 0) -> bool:
+    """Import ``modules`` (on a background thread, ahead of their use, at nice value ``nice``);
+    False if one fails: the import where it is needed says what is missing (packaging_api())."""
     import importlib
 
+    from gpusnap.host.priority import yield_cpu
+
+    yield_cpu(nice)
     try:
         for name in modules:
             importlib.import_module(name)

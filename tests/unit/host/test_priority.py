@@ -81,3 +81,19 @@ def test_nice_settings(tmp_path: Path, name: str, var: str, default: int | None,
             load_settings(env={var: bad}, config_file=absent)
     if name == "push_nice":
         assert load_settings(env={var: "auto"}, config_file=absent).push_nice is None
+
+
+def test_checkpoint_preload_thread_gives_way_and_the_caller_keeps_its_priority() -> None:
+    """The imports a checkpoint loads beside the dump (orchestrate._preload) run at the store's
+    nice value, on their own thread only."""
+    from gpusnap.engines import orchestrate
+
+    mine = thread_nice()
+
+    def preload() -> tuple[bool, int]:
+        return orchestrate._preload("json", nice=mine + 7), thread_nice()
+
+    ok, nice = _in_thread(preload)
+    assert ok and nice == min(mine + 7, 19)
+    assert thread_nice() == mine
+    assert _in_thread(lambda: orchestrate._preload("gpusnap_no_such_module", nice=mine + 3)) is False
