@@ -116,17 +116,22 @@ def build_command(args: list[str] | None = None) -> typer.core.TyperGroup:
 
     Typer renders help through rich markup, so a help text such as ``HOST:CONTAINER[/tcp|udp]``
     or ``POD[/CONTAINER]`` reads as a closing tag (a crash) and a word in brackets may vanish.
-    Escaping each text once here covers every command, present and future.
+    Escaping each text once here covers every command, present and future. Each paragraph is
+    also joined into one line: rich keeps a docstring's own line breaks, which then end lines
+    short of the terminal's width ("... each that does" / "not or" / "could not be deleted").
     """
     from rich.markup import escape
 
     command = typer.main.get_command(build_app(args))
 
+    def flowed(text: str) -> str:
+        return "\n\n".join(" ".join(paragraph.split()) for paragraph in text.split("\n\n"))
+
     def literal(cmd: object) -> None:
         for attr in ("help", "short_help", "epilog"):
             text = getattr(cmd, attr, None)
             if isinstance(text, str):
-                setattr(cmd, attr, escape(text))
+                setattr(cmd, attr, escape(flowed(text)))
         for param in getattr(cmd, "params", []):
             if isinstance(getattr(param, "help", None), str):
                 param.help = escape(param.help)

@@ -56,3 +56,27 @@ def test_help_renders_at_80_columns(path: list[str], capsys: pytest.CaptureFixtu
     for text in RAW[tuple(path)]:
         for bracketed in re.findall(r"\[[^\]]*\]", text):  # what rich markup would swallow
             assert re.sub(r"\s+", "", bracketed) in flat, bracketed
+
+
+@pytest.mark.parametrize("path", [p for p in COMMANDS if p], ids=[" ".join(p) for p in COMMANDS if p])
+def test_help_paragraphs_flow_to_the_width(path: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A docstring's own line breaks do not reach the screen: a paragraph's lines are filled to
+    the width, so only its last line may end early (``delete`` once showed "… each that does" /
+    "not or" / "could not be deleted, …")."""
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("TERM", "dumb")
+    monkeypatch.setenv("NO_COLOR", "1")
+    with pytest.raises(SystemExit):
+        main([*path, "--help"])
+    out = capsys.readouterr().out
+    description = out.split("╭")[0].splitlines()[3:]  # after "Usage: ..." and its blank line
+    paragraph: list[str] = []
+    for line in [*description, ""]:
+        text = line.strip()
+        if text:
+            paragraph.append(text)
+            continue
+        for early, following in zip(paragraph, paragraph[1:]):
+            # filled: the next line's first word would not have fitted on this one
+            assert len(early) + 1 + len(following.split()[0]) > 78, (early, following)
+        paragraph = []
