@@ -97,8 +97,8 @@ class PackParams:
 def page_features(view: memoryview, npages: int, divisor: int) -> tuple[np.ndarray, np.ndarray]:
     """(zero, cut) flags per page: the page is all zero / a data piece may end after it."""
     a = np.frombuffer(view, dtype=np.uint64, count=npages * _WORDS).reshape(npages, _WORDS)
-    s = a[:, ::_SAMPLE_STRIDE]
-    sample_zero = ~s.any(axis=1)
+    s = np.ascontiguousarray(a[:, ::_SAMPLE_STRIDE])
+    sample_zero = _rows_zero(s)
     zero = _full_check(a, sample_zero)
     h = (s * _K).sum(axis=1, dtype=np.uint64)
     h ^= h >> np.uint64(29)
@@ -109,7 +109,17 @@ def page_features(view: memoryview, npages: int, divisor: int) -> tuple[np.ndarr
 def page_zero(view: memoryview, npages: int) -> np.ndarray:
     """Per page: is it all zero? (Full check only where the sampled words are all zero.)"""
     a = np.frombuffer(view, dtype=np.uint64, count=npages * _WORDS).reshape(npages, _WORDS)
-    return _full_check(a, ~a[:, ::_SAMPLE_STRIDE].any(axis=1))
+    return _full_check(a, _rows_zero(np.ascontiguousarray(a[:, ::_SAMPLE_STRIDE])))
+
+
+def _rows_zero(rows: np.ndarray) -> np.ndarray:
+    """Per row of a C-contiguous uint64 array: are all its words zero?
+
+    An OR-reduction, not ``~rows.any(axis=1)``: on a 4 MiB window (1024 rows) ``any`` held the
+    interpreter lock for its whole run (two threads took as long as one), and the store's workers
+    call this on every window they read; the OR-reduction releases it (two threads: half the
+    time) and is no slower on one."""
+    return np.bitwise_or.reduce(rows, axis=1) == 0
 
 
 def _full_check(a: np.ndarray, candidates: np.ndarray) -> np.ndarray:
@@ -121,7 +131,7 @@ def _full_check(a: np.ndarray, candidates: np.ndarray) -> np.ndarray:
         return zero
     edges = np.flatnonzero(np.diff(np.concatenate(([False], candidates, [False])).astype(np.int8)))
     for s, e in zip(edges[::2].tolist(), edges[1::2].tolist()):
-        zero[s:e] = ~a[s:e].any(axis=1)
+        zero[s:e] = _rows_zero(a[s:e])
     return zero
 
 

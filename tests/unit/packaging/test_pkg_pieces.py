@@ -400,6 +400,28 @@ def test_page_features_flag_zero_pages_exactly() -> None:
     assert isinstance(zero, np.ndarray)
 
 
+def test_page_zero_agrees_with_a_byte_by_byte_check() -> None:
+    """page_zero's OR-reductions (which let other threads run) flag exactly the all-zero pages:
+    pages zero except one word at a sampled or an unsampled place, all-zero runs of every length,
+    and a window that is all zero."""
+    from gpusnap.packaging.pack import page_zero
+
+    rng = np.random.default_rng(7)
+    pages = 300
+    data = bytearray(_rand(pages * PAGE, 9))
+    for i in range(pages):
+        kind = rng.integers(0, 4)
+        if kind:  # zero the page, then maybe put one word back
+            data[i * PAGE:(i + 1) * PAGE] = bytes(PAGE)
+            if kind == 2:
+                data[i * PAGE + 256 * int(rng.integers(0, 16))] = 1  # a sampled word
+            elif kind == 3 and rng.integers(0, 2):
+                data[i * PAGE + 8 + 256 * int(rng.integers(0, 16))] = 1  # an unsampled word
+    expect = [not any(data[i * PAGE:(i + 1) * PAGE]) for i in range(pages)]
+    assert page_zero(memoryview(data), pages).tolist() == expect
+    assert page_zero(memoryview(bytes(64 * PAGE)), 64).all()
+
+
 @pytest.mark.parametrize("workers", [1, 3])
 def test_tiny_windows_and_packs_exercise_recycling_and_early_seals(tmp_path: Path, workers: int) -> None:
     # windows of 16 pages and packs of 64 pages: many packs, buffers recycled hundreds of
