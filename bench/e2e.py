@@ -194,9 +194,10 @@ def floor_sha256(size: int) -> dict[str, float]:
 
 def floor_disk(size: int, directory: str, writers: tuple[int, ...] = (1, 4)) -> dict[str, float]:
     """Buffered writes of ``size`` random bytes, each writer to its own file, then fdatasync, after
-    a sync: what the store's disk takes, as the store writes (packs side by side, each synced). One writer, then several: the GPU hosts' virtio disk took 1.16
-    GB/s from one writer and 2.01 from four (O_DIRECT no better: 1.22-1.62). ``disk_write_gbps``
-    is the best of them, the floor the store is held to."""
+    a sync: what the store's disk takes, as the store writes (packs side by side, each synced).
+    One writer, then several: the GPU hosts' virtio disk took 1.16 GB/s from one writer and 2.01
+    from four (O_DIRECT no better: 1.22-1.62). ``disk_write_gbps`` is the best of them, the
+    floor the store is held to."""
     block = random.Random(3).randbytes(8 * MIB)
     out: dict[str, float] = {}
     for n in writers:
@@ -691,6 +692,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         say(f"{w.name}: by hand: first step {first[2] - t_start:.1f} s after start; {r['ready_line']}")
         if w.gpu:
             r["gpu_memory_gb"] = gpu_memory_gb(bare.pid())
+
         def dump(parts_key: str) -> tuple[float, int]:
             """A by-hand leave-running checkpoint into ``images``; (seconds, the step it was taken
             at), once the workload has gone a few steps past it (so that a restored run's steps
