@@ -252,6 +252,25 @@ def window_end(cuts: np.ndarray, i: int, per: int) -> int:
     return max(j, i + 1)
 
 
+def aligned_cuts(ranges: list[Any], piece_pages: int) -> np.ndarray:
+    """The page indexes (in the pages file) where AlignedCutter's pieces start, and the file's
+    end: each range's start, and inside it every page whose virtual address is a multiple of
+    ``piece_pages`` pages. Whole arrays, no loop per range: a GPU process's pagemap can hold tens
+    of thousands of ranges, and the store waits for these cuts before its first read."""
+    if not ranges:
+        return np.zeros(1, dtype=np.int64)
+    s0 = np.fromiter((r.file_offset for r in ranges), dtype=np.int64, count=len(ranges)) // PAGE
+    v = np.fromiter((r.vaddr for r in ranges), dtype=np.uint64, count=len(ranges)) // np.uint64(PAGE)
+    n = np.fromiter((r.nr_pages for r in ranges), dtype=np.int64, count=len(ranges))
+    # pages from each range's start to its first aligned address (1..piece_pages)
+    first = (piece_pages - (v % np.uint64(piece_pages)).astype(np.int64))
+    count = np.maximum(0, (n - first + piece_pages - 1) // piece_pages)  # aligned cuts inside each range
+    starts = np.repeat(s0 + first, count)
+    step = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    end = s0[-1] + n[-1]
+    return np.unique(np.concatenate((s0, starts + step * piece_pages, [end])))
+
+
 class AlignedCutter:
     """Pieces that end where the virtual address is a multiple of ``piece_pages`` pages, or
     where a memory range ends (ranges: the pagemap's, contiguous entries merged).
@@ -264,16 +283,7 @@ class AlignedCutter:
     """
 
     def __init__(self, ranges: list[Any], piece_pages: int) -> None:
-        cuts: list[np.ndarray] = []
-        end = 0
-        for r in ranges:
-            s0, v, n = r.file_offset // PAGE, r.vaddr // PAGE, r.nr_pages
-            first = (v // piece_pages + 1) * piece_pages - v  # pages to the first aligned address
-            cuts.append(np.array([s0], dtype=np.int64))
-            cuts.append(np.arange(s0 + first, s0 + n, piece_pages, dtype=np.int64))
-            end = s0 + n
-        cuts.append(np.array([end], dtype=np.int64))
-        self.cuts = np.unique(np.concatenate(cuts))
+        self.cuts = aligned_cuts(ranges, piece_pages)
         self.i = 0  # next piece: [cuts[i], cuts[i + 1])
         self.pos = 0
         self.zbuf = np.zeros(0, dtype=bool)  # zero flags of pages [cuts[i], pos)

@@ -128,6 +128,29 @@ def test_aligned_pieces_end_at_address_multiples_whatever_the_window() -> None:
     assert (132, 170, True) in pieces  # aligned zero pieces merged up to the range end
 
 
+def test_aligned_cuts_are_each_range_start_and_every_aligned_address_inside_it() -> None:
+    """aligned_cuts (whole arrays) against the rule, range by range, on ranges of every shape:
+    shorter than a piece, starting on and off an aligned address, adjacent and apart."""
+    from gpusnap.criu.pagemap import PageRange
+    from gpusnap.packaging.pack import aligned_cuts
+
+    rng = random.Random(5)
+    for _ in range(200):
+        ranges, va, off = [], 0x7F0000000000 + rng.randrange(1 << 16) * PAGE, 0
+        for _ in range(rng.randrange(1, 40)):
+            n = rng.choice([1, 31, 32, 33, 64, rng.randrange(1, 3000)])
+            ranges.append(PageRange(va, off * PAGE, n))
+            va += (n + rng.choice([0, 1, rng.randrange(1, 500)])) * PAGE
+            off += n
+        for piece in (1, 7, 32):
+            want = {off}
+            for r in ranges:
+                s0, v = r.file_offset // PAGE, r.vaddr // PAGE
+                want |= {s0} | {s0 + k for k in range(1, r.nr_pages) if (v + k) % piece == 0}
+            got = aligned_cuts(ranges, piece)
+            assert got.dtype == np.int64 and got.tolist() == sorted(want)
+
+
 # ---- cutting ------------------------------------------------------------------------------------
 def _cut(data: bytes, forced: list[int], window: int, p: PackParams = PackParams()) -> list[tuple[int, int, bool]]:
     n = len(data) // PAGE
