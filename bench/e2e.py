@@ -828,6 +828,8 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         for knob in CK_AB_KNOBS:
             if getattr(env.args, f"ab_{knob}"):
                 r[f"checkpoint_ab_{knob}"] = ab_checkpoints(env, name, remote, 30 + 8 * gb(r["image_bytes"]), knob)
+        if env.args.ab_dump_beside:
+            r["checkpoint_ab_dump_beside"] = ab_dump_beside(env, name, remote, 30 + 8 * gb(r["image_bytes"]))
         wait_until(lambda: len(last_steps(env, name, store_b)) > len(steps) + 3, 300, "steps after the last checkpoint", 1.0)
         values.compare(last_steps(env, name, store_b))
         measure([*env.gpusnap, "delete", name], env=e_b).check()
@@ -946,6 +948,38 @@ def ab_checkpoints(env: Env, name: str, remote: str, cost: float, knob: str) -> 
         t = c.json().get("timings_s", {})
         rounds.append({knob: val == on_value, "value": val, "seconds": c.seconds, "timings_s": t})
         say(f"A/B checkpoint --push, {knob}={val}: {c.seconds:.2f} s, of which checkpoint {t.get('checkpoint', 0):.2f} s; {t}")
+        shutil.rmtree(store, ignore_errors=True)
+    return rounds
+
+
+# What slows CRIU's dump when the store and the uploads run beside it (--ab-dump-beside): each
+# condition's store directory (None: the run's own, on --work's disk) and settings.
+DUMP_BESIDE: dict[str, tuple[str | None, dict[str, str], str]] = {
+    "disk": (None, {}, "stored beside the dump, store on the disk (the default)"),
+    "after": (None, {"GPUSNAP_STORE_WHILE_DUMPING": "0"}, "stored after the dump, nothing beside it"),
+    "tmpfs": ("/dev/shm", {}, "stored beside the dump, store on tmpfs (no disk writes)"),
+    "workers4": (None, {"GPUSNAP_STORE_WORKERS": "4"}, "stored beside the dump by 4 threads, store on the disk"),
+}
+DUMP_TIMINGS = ("checkpoint: runtime: runc checkpoint", "checkpoint: runtime: gpu_checkpoint", "checkpoint: runtime: gpu_restore",
+                "checkpoint", "store the checkpoint", "push the checkpoint")
+
+
+def ab_dump_beside(env: Env, name: str, remote: str, cost: float) -> list[dict[str, Any]]:
+    """``checkpoint --leave-running --push`` of the running workload under each DUMP_BESIDE
+    condition in turn, twice, each into an empty store and a repository of its own: which of
+    the work beside CRIU (disk writes, threads, or nothing) costs the dump its time."""
+    rounds: list[dict[str, Any]] = []
+    for i, cond in enumerate([*DUMP_BESIDE] * 2):
+        if env.left() < cost:
+            break
+        where, extra, _ = DUMP_BESIDE[cond]
+        store = Path(where or env.work) / f"store-abdump-{i}"
+        e = {**env.cli_env(store), **extra}
+        c = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{remote}-abdump{i}:1", "--insecure", "--json"], env=e)
+        c.check()
+        t = c.json().get("timings_s", {})
+        rounds.append({"condition": cond, "seconds": c.seconds, "timings_s": t})
+        say(f"A/B dump beside, {cond}: {c.seconds:.2f} s; " + ", ".join(f"{k.split(': ')[-1]} {t.get(k, 0):.2f}" for k in DUMP_TIMINGS))
         shutil.rmtree(store, ignore_errors=True)
     return rounds
 
@@ -1155,6 +1189,15 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                     extra = (f"{med / bare_ck:.2f}x by hand; its checkpoint step {med_ck:.2f} s = {med_ck / bare_ck:.2f}x; "
                              f"store after it {med_st:.2f} s" if bare_ck else "")
                     row(f"A/B: checkpoint --push, {label} ({len(got)} rounds, median)", med, extra)
+        beside = w.get("checkpoint_ab_dump_beside") or []
+        for cond, (_, _, label) in DUMP_BESIDE.items():
+            got = [x for x in beside if x["condition"] == cond]
+            if got:
+                med = {k: statistics.median(x["timings_s"].get(k, 0) for x in got) for k in DUMP_TIMINGS}
+                row(f"A/B dump beside: checkpoint --push, {label} ({len(got)} rounds, median)",
+                    statistics.median(x["seconds"] for x in got),
+                    (f"{statistics.median(x['seconds'] for x in got) / bare_ck:.2f}x by hand; " if bare_ck else "")
+                    + "; ".join(f"{k.split(': ')[-1]} {v:.2f}" for k, v in med.items()))
         for knob, (_, _, labels) in AB_KNOBS.items():
             # e2e.json files before AB_KNOBS kept the criu_before_pages rounds under "restore_registry_ab" (--report reads them).
             legacy = w.get("restore_registry_ab") if knob == "criu_before_pages" else None
@@ -1242,6 +1285,9 @@ def main() -> int:
                     help="also checkpoint --push the running workload with its uploads at nice 10 and 19 in turn, the store at 10 (GPUSNAP_PUSH_NICE)")
     ap.add_argument("--ab-push-processes", action="store_true",
                     help="also checkpoint --push the running workload with its uploads on the storing process's threads and in 2 transfer processes in turn (GPUSNAP_PUSH_PROCESSES)")
+    ap.add_argument("--ab-dump-beside", action="store_true",
+                    help="also checkpoint --push the running workload twice under each of: stored beside the dump on disk, "
+                         "after the dump, beside it on tmpfs, beside it with 4 store threads (what slows CRIU's dump)")
     ap.add_argument("--skip-ckdiff", action="store_true", help="no ckdiff between the two checkpoints (its diagnosis is in earlier runs; saves ~30 s on the GPU host)")
     ap.add_argument("--py-spy", help="py-spy binary: record both restores' CLI timelines (a diagnosis: they run slower so)")
     ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources the gpusnap command runs, and exit")

@@ -86,9 +86,12 @@ def hwm() -> int:
     return 0
 
 
-def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "") -> None:
+def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "", switch: float = 0.0) -> None:
     import inspect
     import resource
+
+    if switch:
+        sys.setswitchinterval(switch)
 
     from gpusnap.packaging import api
 
@@ -111,10 +114,14 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "")
 
 
 def run_store(src: Path, store: Path, ref: str, size: int, workers: int | None, push: str = "",
-              profile: Path | None = None) -> dict[str, float]:
+              profile: Path | None = None, switch: float = 0.0, gil: Path | None = None) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", "--src", str(src), "--store", str(store), "--ref", ref,
-           "--workers", str(workers or 0), "--push", push]
-    if profile is not None:
+           "--workers", str(workers or 0), "--push", push, "--switch-interval", str(switch)]
+    if gil is not None:
+        # Only the samples of the thread that holds the interpreter lock: what of the store is serial.
+        gil.parent.mkdir(parents=True, exist_ok=True)
+        cmd = ["py-spy", "record", "--gil", "--threads", "--rate", "200", "--format", "raw", "-o", str(gil), "--", *cmd]
+    elif profile is not None:
         # py-spy samples every thread, idle ones too: where the store and the uploads wait.
         profile.parent.mkdir(parents=True, exist_ok=True)
         cmd = ["py-spy", "record", "--threads", "--idle", "--rate", "200", "--format", "raw", "-o", str(profile), "--", *cmd]
@@ -132,8 +139,13 @@ def main() -> int:
     ap.add_argument("--store", type=Path, default=Path("/var/tmp/gs-store-scale-store"))
     ap.add_argument("--ref", default="scale:1")
     ap.add_argument("--rss-only", action="store_true", help="one store only (no second, deduped one)")
-    ap.add_argument("--workers", type=int, default=0, help="the store's worker threads (default: one per core); "
-                    "e.g. 16 to see the memory of a 16-core host on a small one")
+    ap.add_argument("--workers", default="0", help="the store's worker threads (default: one per core); "
+                    "e.g. 16 to see the memory of a 16-core host on a small one; a comma list (1,4,16) runs "
+                    "the first store once per count")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="the store process's sys.setswitchinterval (seconds; 0: Python's 0.005)")
+    ap.add_argument("--gil", type=Path, default=None,
+                    help="py-spy --gil raw profile of the first store (one worker count) into this folder")
     ap.add_argument("--keep", action="store_true", help="keep the source directory for the next run")
     ap.add_argument("--push", default="", help=argparse.SUPPRESS)  # the child's: host:port/repo:tag
     ap.add_argument("--with-push", action="store_true",
@@ -142,8 +154,9 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, default=None, help="py-spy raw profiles of each store into this folder")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    counts = [int(w) for w in str(a.workers).split(",")]
     if a.child:
-        child(a.src, a.store, a.ref, a.workers or None, a.push)
+        child(a.src, a.store, a.ref, counts[0] or None, a.push, a.switch_interval)
         return 0
     size = int(a.gib * GIB) // PAGE * PAGE
     t0 = time.perf_counter()
@@ -151,11 +164,17 @@ def main() -> int:
     print(f"source {a.src}: {size / GIB:.1f} GiB ({time.perf_counter() - t0:.1f} s to make); {os.cpu_count()} cores", flush=True)
     shutil.rmtree(a.store, ignore_errors=True)
     prof = (lambda name: a.profile / f"{name}.txt") if a.profile else (lambda name: None)
+    workers = counts[-1] or None
     try:
-        first = run_store(a.src, a.store, "scale:1", size, a.workers or None, profile=prof("store"))
-        print(f"first store (empty store):      {json.dumps(first)}", flush=True)
+        for n in counts[:-1]:  # the scaling rows: each a first store into an empty store
+            row = run_store(a.src, a.store, "scale:1", size, n or None, switch=a.switch_interval)
+            print(f"first store, {n} workers:      {json.dumps(row)}", flush=True)
+            shutil.rmtree(a.store, ignore_errors=True)
+        first = run_store(a.src, a.store, "scale:1", size, workers, profile=prof("store"), switch=a.switch_interval,
+                          gil=a.gil / "store-gil.txt" if a.gil else None)
+        print(f"first store (empty store{f', {workers} workers' if workers else ''}): {json.dumps(first)}", flush=True)
         if not a.rss_only:
-            second = run_store(a.src, a.store, "scale:2", size, a.workers or None)
+            second = run_store(a.src, a.store, "scale:2", size, workers, switch=a.switch_interval)
             print(f"second store (all pieces known): {json.dumps(second)}", flush=True)
         if a.with_push:
             sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -163,8 +182,8 @@ def main() -> int:
 
             shutil.rmtree(a.store, ignore_errors=True)
             with Registry(Path("/dev/shm/gs-store-scale-registry"), range(5480, 5500)) as reg:
-                pushed = run_store(a.src, a.store, "scale:1", size, a.workers or None, push=f"{reg.host}/scale/push:1",
-                                   profile=prof("store-push"))
+                pushed = run_store(a.src, a.store, "scale:1", size, workers, push=f"{reg.host}/scale/push:1",
+                                   profile=prof("store-push"), switch=a.switch_interval)
             shutil.rmtree("/dev/shm/gs-store-scale-registry", ignore_errors=True)
             print(f"store + pipelined push (empty store and registry): {json.dumps(pushed)}; "
                   f"store {pushed['store_s'] / first['seconds']:.2f}x the store alone", flush=True)

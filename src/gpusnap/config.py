@@ -92,6 +92,9 @@ class Settings:
     # not share the interpreter lock with ``checkpoint --push``'s store: None = 2 on a host of 4
     # cores or more (a plain push: also 512 MiB of blobs or more); 0 = all in the gpusnap process.
     push_processes: int | None = None
+    # Threads that read, hash and write a checkpoint into the store: None = one per core. A
+    # lower count leaves cores to the job and to the dump on a host shared with other work.
+    store_workers: int | None = None
     # Whether a runc-direct restore lets the process go before its memory is in, CRIU's lazy
     # pages filled by gpusnap's own page server (gpusnap.criu.lazy_pages) while the GPU's state
     # is copied back. None ("auto"): where the kernel's userfaultfd has what CRIU needs. The
@@ -120,6 +123,7 @@ _ENV = {
     "GPUSNAP_CRIU_BEFORE_PAGES": "criu_before_pages",
     "GPUSNAP_FETCH_PROCESSES": "fetch_processes",
     "GPUSNAP_PUSH_PROCESSES": "push_processes",
+    "GPUSNAP_STORE_WORKERS": "store_workers",
     "GPUSNAP_LAZY_PAGES": "lazy_pages",
 }
 
@@ -150,6 +154,13 @@ def _coerce(name: str, value: object, source: str) -> object:
             return None
         if not text.isdigit() or int(text) > 64:
             raise UsageError(f"{source}: {name} must be auto or a whole number from 0 to 64, got {value!r}")
+        return int(text)
+    if name == "store_workers":
+        text = str(value).strip().lower()
+        if text == "auto":
+            return None
+        if not text.isdigit() or not 1 <= int(text) <= 256:
+            raise UsageError(f"{source}: store_workers must be auto or a whole number from 1 to 256, got {value!r}")
         return int(text)
     if name in ("store_nice", "push_nice"):
         text = str(value).strip()

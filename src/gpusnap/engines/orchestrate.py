@@ -407,7 +407,7 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
             def on_blob(desc: Any) -> None:
                 ready.result().on_blob(desc)
         state["follower"] = api.follow_checkpoint(settings.store_dir, dest, compress=opts.compress, on_blob=on_blob,
-                                                  nice=settings.store_nice)
+                                                  nice=settings.store_nice, workers=settings.store_workers)
 
     def unfollow() -> None:
         follower = state.pop("follower", None)
@@ -427,7 +427,8 @@ def _checkpoint_in(work: Path, settings: Settings, eng: Engine, info: ContainerI
         try:
             stored = api.store_checkpoint(settings.store_dir, state["cp"].path, form=eng.form, ref=local, metadata=state["meta"],
                                           compress=opts.compress, follower=state.pop("follower", None),
-                                          timings=state.setdefault("store_phases", {}), **sealed)
+                                          workers=settings.store_workers, timings=state.setdefault("store_phases", {}),
+                                          **sealed)
         except BaseException:
             end_pipeline()
             raise

@@ -44,3 +44,16 @@ def test_bad_config_file_is_one_line_usage_error(tmp_path, text, fragment):
     assert fragment in str(info.value) and str(cfg) in str(info.value)
     assert "\n" not in str(info.value)
     assert info.value.exit_code == ExitCode.USAGE
+
+
+def test_store_workers_takes_auto_or_a_count_and_refuses_the_rest(tmp_path):
+    absent = tmp_path / "none.toml"
+    assert load_settings(env={}, config_file=absent).store_workers is None
+    assert load_settings(env={"GPUSNAP_STORE_WORKERS": "auto"}, config_file=absent).store_workers is None
+    assert load_settings(env={"GPUSNAP_STORE_WORKERS": "4"}, config_file=absent).store_workers == 4
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("store_workers = 6\n")
+    assert load_settings(env={}, config_file=cfg).store_workers == 6
+    for bad in ("0", "257", "-2", "many"):
+        with pytest.raises(UsageError, match="store_workers must be auto or a whole number from 1 to 256"):
+            load_settings(env={"GPUSNAP_STORE_WORKERS": bad}, config_file=absent)
