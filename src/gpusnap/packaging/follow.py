@@ -58,6 +58,21 @@ from gpusnap.criu.pagemap import PAGE_SIZE, PAGEMAP_NAME, PageRange, PagemapRead
 from gpusnap.criu.images import DUMP_STATS, ImageFormatError
 from gpusnap.packaging.store import OciStore
 
+# Threads of a follower's pack writer when the caller names no count: a quarter of the cores, at
+# least BESIDE_DUMP_MIN. Beside the dump the store only has to keep up with CRIU (1.5-2 GB/s;
+# four threads store 2.3-2.6 GB/s on the 16-core H100 host), and every thread more costs the
+# dump: with all 16 cores CRIU's dump of a 5.2 GB server took 3.29-3.65 s, with 4 threads
+# 3.09-3.14 s, with nothing beside it 2.58-2.76 s; the pages left when the dump ended were added
+# in 0.26-0.34 s with 4 threads against 0.53-0.92 s with 16 (their interpreter lock shared)
+# (bench/results/gpu-h100-e2e-2026-11-27-thirteenth-server, A/B "dump beside").
+BESIDE_DUMP_MIN = 4
+
+
+def beside_dump_workers(cores: int | None = None) -> int:
+    """The follower's default thread count on a host of ``cores`` cores."""
+    cores = cores or os.cpu_count() or 1
+    return min(cores, max(BESIDE_DUMP_MIN, cores // 4))
+
 # numpy and the pack writer are imported where they are first used, on the follower's thread:
 # the follower starts right before the dump, and the dump should not wait for those imports.
 
@@ -135,7 +150,8 @@ class DumpFollower:
                  on_blob: Any = None, workers: int | None = None, params: Any = None,
                  poll_s: float = POLL_S, nice: int = 0) -> None:
         self.store, self.dir = store, Path(directory)
-        self.compress, self.parent, self.on_blob, self.workers = compress, parent, on_blob, workers
+        self.compress, self.parent, self.on_blob = compress, parent, on_blob
+        self.workers = workers or beside_dump_workers()
         self.params = params  # pack.PackParams; None: the defaults, which build_artifact uses too
         self.poll_s = poll_s
         self.nice = nice  # of this follower's thread and its writer's pools (gpusnap.host.priority)

@@ -406,3 +406,27 @@ def test_a_file_gone_between_the_listing_and_its_stat_hides_no_other(tmp_path: P
     stored = api.store_checkpoint(tmp_path / "s", dump, form="criu-dir", ref="local/x:1", follower=follower)
     assert _materialized(tmp_path / "s", "local/x:1", tmp_path / "out") == {f.name: f.read_bytes() for f in dump.iterdir()}
     assert stored.digest
+
+
+def test_follow_checkpoint_sizes_its_writer_by_the_workers_asked_for(tmp_path: Path) -> None:
+    """`store_workers` (GPUSNAP_STORE_WORKERS) reaches the follower's pack writer: its read,
+    hash and seal pools have that many threads."""
+    follower = api.follow_checkpoint(tmp_path / "s", tmp_path / "dump", workers=3)
+    try:
+        deadline = time.monotonic() + 10
+        while follower.writer is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert follower.writer is not None and follower.writer.workers == 3
+        assert follower.writer.pool._max_workers == 3 and follower.writer.sealers._max_workers == 3
+    finally:
+        follower.abort()
+        follower.close()
+
+
+@pytest.mark.parametrize(("cores", "want"), [(1, 1), (2, 2), (4, 4), (16, 4), (32, 8), (128, 32)])
+def test_a_follower_takes_a_quarter_of_the_cores_at_least_four(tmp_path: Path, cores: int, want: int) -> None:
+    from gpusnap.packaging.follow import beside_dump_workers
+
+    assert beside_dump_workers(cores) == want
+    # no count asked for: this host's
+    assert DumpFollower(OciStore(tmp_path / "s"), tmp_path / "dump", compress=False).workers == beside_dump_workers()
