@@ -955,11 +955,16 @@ def ab_checkpoints(env: Env, name: str, remote: str, cost: float, knob: str) -> 
 # What slows CRIU's dump when the store and the uploads run beside it (--ab-dump-beside): each
 # condition's store directory (None: the run's own, on --work's disk) and settings.
 DUMP_BESIDE: dict[str, tuple[str | None, dict[str, str], str]] = {
-    "disk": (None, {}, "stored beside the dump, store on the disk (the default)"),
+    "default": (None, {}, "stored beside the dump (the default: a quarter of the cores, at least 4 threads)"),
     "after": (None, {"GPUSNAP_STORE_WHILE_DUMPING": "0"}, "stored after the dump, nothing beside it"),
+    "cores": (None, {"GPUSNAP_STORE_WORKERS": str(os.cpu_count() or 1)}, "stored beside the dump, a thread per core"),
     "tmpfs": ("/dev/shm", {}, "stored beside the dump, store on tmpfs (no disk writes)"),
+    # the first run's (thirteenth session), when the default was a thread per core
+    "disk": (None, {}, "stored beside the dump, a thread per core, store on the disk"),
     "workers4": (None, {"GPUSNAP_STORE_WORKERS": "4"}, "stored beside the dump by 4 threads, store on the disk"),
 }
+# The conditions a run compares (all of DUMP_BESIDE can be read back by --report).
+DUMP_BESIDE_RUN = ("default", "after", "cores")
 DUMP_TIMINGS = ("checkpoint: runtime: runc checkpoint", "checkpoint: runtime: gpu_checkpoint", "checkpoint: runtime: gpu_restore",
                 "checkpoint", "store the checkpoint", "push the checkpoint")
 
@@ -969,7 +974,7 @@ def ab_dump_beside(env: Env, name: str, remote: str, cost: float) -> list[dict[s
     condition in turn, twice, each into an empty store and a repository of its own: which of
     the work beside CRIU (disk writes, threads, or nothing) costs the dump its time."""
     rounds: list[dict[str, Any]] = []
-    for i, cond in enumerate([*DUMP_BESIDE] * 2):
+    for i, cond in enumerate([*DUMP_BESIDE_RUN] * 2):
         if env.left() < cost:
             break
         where, extra, _ = DUMP_BESIDE[cond]
@@ -1286,8 +1291,8 @@ def main() -> int:
     ap.add_argument("--ab-push-processes", action="store_true",
                     help="also checkpoint --push the running workload with its uploads on the storing process's threads and in 2 transfer processes in turn (GPUSNAP_PUSH_PROCESSES)")
     ap.add_argument("--ab-dump-beside", action="store_true",
-                    help="also checkpoint --push the running workload twice under each of: stored beside the dump on disk, "
-                         "after the dump, beside it on tmpfs, beside it with 4 store threads (what slows CRIU's dump)")
+                    help="also checkpoint --push the running workload twice under each of: stored beside the dump (default "
+                         "threads), after the dump, beside it with a thread per core (what the store beside it costs CRIU's dump)")
     ap.add_argument("--skip-ckdiff", action="store_true", help="no ckdiff between the two checkpoints (its diagnosis is in earlier runs; saves ~30 s on the GPU host)")
     ap.add_argument("--py-spy", help="py-spy binary: record both restores' CLI timelines (a diagnosis: they run slower so)")
     ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources the gpusnap command runs, and exit")
