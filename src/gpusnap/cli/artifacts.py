@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
+from gpusnap.cli.output import print_error
 from gpusnap.config import DEFAULT_CONFIG_FILE, Settings, load_settings
 from gpusnap.errors import ExitCode, GpusnapError, UsageError
 
@@ -50,7 +51,7 @@ def _fail_cleanly(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except GpusnapError as exc:
-            print(f"gpusnap: {exc}", file=sys.stderr)
+            print_error(exc)
             raise typer.Exit(int(exc.exit_code)) from None
 
     return wrapper  # type: ignore[return-value]
@@ -265,7 +266,7 @@ def _rm(
         try:
             removed.append({"ref": ref, "digest": api.remove(_store(store), ref)})
         except GpusnapError as exc:
-            print(f"gpusnap: {exc}", file=sys.stderr)
+            print_error(exc)
             failures.append(exc)
             continue
         if not as_json:

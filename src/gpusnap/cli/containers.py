@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Optional
 
 import typer
 from rich.table import Column
 
 from gpusnap.cli.context import get_ctx, require_root
-from gpusnap.cli.output import age
+from gpusnap.cli.output import age, print_error
 from gpusnap.engines.runc_direct import BUSYBOX_ROOTFS, RuncDirectEngine
 from gpusnap.errors import GpusnapError, NotFoundError
 
@@ -97,7 +96,7 @@ def register(app: typer.Typer) -> None:
                     raise NotFoundError(f"no runc-direct container {n}; `gpusnap ps` lists them")
                 eng.remove(info)
             except GpusnapError as exc:
-                print(f"gpusnap: error: {exc}", file=sys.stderr)
+                print_error(exc)
                 failures.append(exc)
                 continue
             c.out.info(f"deleted {info.name}")

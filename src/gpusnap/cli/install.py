@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from gpusnap.cli.output import print_error
 from gpusnap.admin import install as core
 from gpusnap.errors import GpusnapError, UsageError
 
@@ -78,7 +79,7 @@ def _run(remove: bool, engine: Engine, dry_run: bool, name: str, runtime_path: P
         if reload and engine is Engine.docker and not dry_run and any(c.action != "unchanged" for c in changes):
             typer.echo(_reload_dockerd(pidfile))
     except GpusnapError as exc:
-        typer.echo(f"gpusnap: {exc}", err=True)
+        print_error(exc)
         raise typer.Exit(int(exc.exit_code)) from None
 
 

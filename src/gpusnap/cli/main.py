@@ -16,7 +16,7 @@ import typer
 
 from gpusnap import __version__
 from gpusnap.cli.context import Ctx, get_ctx, require_root
-from gpusnap.cli.output import Out
+from gpusnap.cli.output import Out, print_error
 from gpusnap.config import load_settings
 from gpusnap.errors import ExitCode, GpusnapError
 from gpusnap.process_exit import leave
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     except GpusnapError as exc:
         if verbose:
             traceback.print_exc()
-        print(f"gpusnap: error: {exc}", file=sys.stderr)
+        print_error(exc)
         sys.exit(int(exc.exit_code))
     except KeyboardInterrupt:
         print("gpusnap: interrupted", file=sys.stderr)

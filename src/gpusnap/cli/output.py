@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 # print no table and, off a terminal, no progress (about 15 ms of every command's start-up).
 
 
+def print_error(exc: BaseException) -> None:
+    """The one line an expected failure prints on stderr, the same from every command."""
+    print(f"gpusnap: error: {exc}", file=sys.stderr)
+
+
 @dataclass(frozen=True)
 class Out:
     """The consoles of one command run; built per invocation (no module-level state)."""

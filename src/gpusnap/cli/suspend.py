@@ -6,12 +6,13 @@ from typing import Optional
 
 import typer
 
+from gpusnap.cli.output import print_error
 from gpusnap.config import load_settings
 from gpusnap.errors import GpusnapError
 
 
 def _fail(exc: GpusnapError) -> None:
-    typer.echo(f"gpusnap: {exc}", err=True)
+    print_error(exc)
     raise typer.Exit(int(exc.exit_code))
 
 

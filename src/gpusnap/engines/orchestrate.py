@@ -626,14 +626,15 @@ def restore(
                 # Refuse before anything is downloaded or the store changes: the artifact's
                 # config (its metadata) is a small blob read straight from the registry.
                 progress(f"checking {source}")
-                if hasattr(api, "open_remote"):
-                    remote = api.open_remote(source, insecure=insecure)
-                if remote is not None and remote.direct:
-                    if decryption:
-                        _refuse_plain(source)  # direct means plain: refused before anything is downloaded
-                    remote_meta = _config_metadata(remote.config)
-                else:
-                    remote_meta = _remote_metadata(source, insecure, decryption)
+                with _not_in_store_either(source, settings.store_dir):
+                    if hasattr(api, "open_remote"):
+                        remote = api.open_remote(source, insecure=insecure)
+                    if remote is not None and remote.direct:
+                        if decryption:
+                            _refuse_plain(source)  # direct means plain: refused before anything is downloaded
+                        remote_meta = _config_metadata(remote.config)
+                    else:
+                        remote_meta = _remote_metadata(source, insecure, decryption)
                 clock.lap("read the checkpoint's metadata")
                 require_compatible(remote_meta, clock.wait("check the host", facts_job), what=source)
             if remote is not None and remote.direct:
@@ -878,6 +879,21 @@ def _gpu_fields(g: dict[str, Any]) -> dict[str, Any]:
 def _proc_fields(p: dict[str, Any]) -> dict[str, Any]:
     keys = GpuProcess.__dataclass_fields__
     return {k: v for k, v in p.items() if k in keys}
+
+
+@contextmanager
+def _not_in_store_either(source: str, store_dir: Path) -> Iterator[None]:
+    """A reference not in the local store was looked for in its registry, which did not answer:
+    say both, since gpusnap's own names (localhost/gpusnap/NAME:TAG) look like registry
+    references, and a mistyped tag of a local checkpoint would otherwise read as a network
+    problem."""
+    try:
+        yield
+    except GpusnapError as exc:
+        if exc.exit_code != ExitCode.REGISTRY or not str(exc).startswith("cannot reach registry"):
+            raise
+        raise type(exc)(f"{source} is not in the local store {store_dir} (`gpusnap ls` lists what it holds), "
+                        f"and {exc}") from None
 
 
 def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progress: Progress, **keys: Any) -> str:

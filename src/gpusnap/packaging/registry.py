@@ -18,7 +18,8 @@ module implements the distribution API directly:
   and fdatasynced when it completes, overlapping the flush with the other transfers; a blob
   becomes visible only when its digest and size match; interrupted downloads resume with a
   Range request;
-* retries with exponential backoff on connection errors, 429 and 5xx.
+* retries with exponential backoff on connection errors, 429 and 5xx (not for an address that
+  never answered: no such host, or refused twice).
 """
 
 from __future__ import annotations
@@ -154,6 +155,11 @@ class RegistryClient:
         self._auth: dict[str, str] = {}  # scope → Authorization header value
         self.recoveries: list[tuple[str, int, int]] = []  # (blob, offset at failure, offset resumed from)
         self._challenge: tuple[str, dict[str, str]] | None = None
+        # Whether the registry has answered this client (or the one it was made from): until
+        # it has, an address that cannot work (no such host, nothing listening) is reported at
+        # once instead of after the whole backoff (15 s), which is for registries that drop
+        # out in the middle of a transfer.
+        self.reached = False
 
     @property
     def session(self) -> requests.Session:
@@ -261,9 +267,12 @@ class RegistryClient:
             except requests.RequestException as exc:
                 last_exc = exc
                 attempt += 1
+                if not self.reached and (attempt >= 2 or _no_such_host(exc)) and _never_answers(exc):
+                    break  # refused twice, or no such host, before it ever answered
                 if attempt < attempts:
                     time.sleep(self.backoff_s * (2 ** (attempt - 1)))
                 continue
+            self.reached = True
             if r.status_code == 401 and not authed_once:
                 authed_once = True
                 challenge = r.headers.get("WWW-Authenticate", "")
@@ -283,7 +292,7 @@ class RegistryClient:
                 time.sleep(self.backoff_s * (2 ** (attempt - 1)))
                 continue
             raise RegistryError(f"{method} {urlsplit(url).path} on {self.registry}: HTTP {r.status_code} {_error_text(r)}")
-        raise RegistryError(f"cannot reach registry {self.registry} ({last_exc}); check the address and that it is up"
+        raise RegistryError(f"cannot reach registry {self.registry} ({unreachable_cause(last_exc)}); check the address and that it is up"
                             f"{'' if self.base.startswith('http:') else ', or use --insecure for a plain-HTTP registry'}")
 
     # ---- manifests ----------------------------------------------------------------------------
@@ -518,6 +527,34 @@ class BodyReader:
         if not n and self.fp.isclosed():  # the whole body was read: the connection can serve the next blob
             self.r.raw.release_conn()
         return n
+
+
+def _no_such_host(exc: BaseException) -> bool:
+    """The name does not resolve (EAI_NONAME: not a temporary resolver failure)."""
+    return "Name or service not known" in str(exc) or "nodename nor servname provided" in str(exc)
+
+
+def _never_answers(exc: BaseException) -> bool:
+    """An error that says the address itself is wrong (no such host, nothing listening there),
+    not that an answer was slow or cut off."""
+    return _no_such_host(exc) or "Connection refused" in str(exc)
+
+
+def unreachable_cause(exc: BaseException | None) -> str:
+    """Why a request got no answer, in a few words: requests nests urllib3's exceptions (retry,
+    connection, socket), and its text repeats the URL and class names around the one part a user
+    can act on, the system's own error ("Connection refused", "Name or service not known")."""
+    if exc is None:
+        return "no answer"
+    text = str(exc)
+    found = re.findall(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
+    if found:
+        return found[-1].strip().rstrip(".")
+    if isinstance(exc, requests.Timeout):
+        return "timed out"
+    if isinstance(exc, requests.exceptions.SSLError):
+        return "TLS handshake failed: " + text[-160:]
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _error_text(r: requests.Response) -> str:

@@ -114,6 +114,7 @@ class TransferProcesses:
             "parent": os.getpid(), "registry": client.registry, "insecure": client.base.startswith("http://"),
             "credentials": asdict(client.creds) if client.creds else None, "auth": client.auth_state(),
             "retries": client.retries, "backoff_s": client.backoff_s, "timeout_s": client.timeout_s,
+            "reached": client.reached,
             "monolithic_limit": client.monolithic_limit, "patch_size": client.patch_size,
             "repository": repository, "fds": fds, "threads": threads, "map": map_files,
             "role": self.role, "store": store, "nice": nice,

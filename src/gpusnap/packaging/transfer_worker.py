@@ -115,6 +115,7 @@ def client_from_wire(init: dict[str, Any]) -> RegistryClient:
     client = RegistryClient(init["registry"], insecure=bool(init["insecure"]), credentials=creds, retries=int(init["retries"]),
                             backoff_s=float(init["backoff_s"]), timeout_s=float(init["timeout_s"]), **sizes)
     client.adopt_auth(init.get("auth") or {})
+    client.reached = bool(init.get("reached"))  # the parent's client had an answer: a refusal now is a restart
     return client
 
 

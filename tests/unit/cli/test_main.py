@@ -180,3 +180,73 @@ def test_checkpoint_start_up_loads_neither_pydantic_nor_other_commands() -> None
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.fixture
+def dead_port() -> int:
+    """A loopback port nothing listens on: every connection is refused at once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_every_command_fails_with_the_same_one_line_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The store and registry commands (their own handlers) print what the others print: one
+    line starting 'gpusnap: error: '."""
+    code, _, err = run(capsys, "rm", "localhost/gpusnap/none:1", "--store", str(tmp_path / "s"))
+    assert code == ExitCode.NOT_FOUND and len(err.strip().splitlines()) == 1 and err.startswith("gpusnap: error: ")
+    code, _, err = run(capsys, "inspect", "localhost/gpusnap/none:1", "--store", str(tmp_path / "s"))
+    assert code == ExitCode.REGISTRY and len(err.strip().splitlines()) == 1
+    assert err.startswith("gpusnap: error: localhost/gpusnap/none:1 is not in the local store")
+
+
+def test_an_unreachable_registry_is_named_with_the_system_s_reason(dead_port: int) -> None:
+    """Not the HTTP library's nested repr (pool, URL, retry and connection classes)."""
+    from gpusnap.errors import RegistryError
+    from gpusnap.packaging.registry import RegistryClient
+
+    client = RegistryClient(f"127.0.0.1:{dead_port}", retries=1, backoff_s=0.01, timeout_s=5)
+    with pytest.raises(RegistryError) as exc:
+        client.get_manifest("r/x", "1")
+    assert str(exc.value) == (f"cannot reach registry 127.0.0.1:{dead_port} (Connection refused); check the address and "
+                              "that it is up, or use --insecure for a plain-HTTP registry")
+
+
+def test_a_local_reference_not_in_the_store_says_so_beside_the_unreachable_registry(tmp_path: Path, dead_port: int) -> None:
+    """gpusnap's own names look like registry references: a restore of a mistyped local tag
+    must not read as a network problem only."""
+    from gpusnap.engines.orchestrate import _not_in_store_either
+    from gpusnap.errors import RegistryError
+
+    ref = f"127.0.0.1:{dead_port}/gpusnap/x:typo"
+    with pytest.raises(RegistryError) as exc:
+        with _not_in_store_either(ref, tmp_path / "store"):
+            raise RegistryError(f"cannot reach registry 127.0.0.1:{dead_port} (Connection refused); check the address")
+    assert str(exc.value).startswith(f"{ref} is not in the local store {tmp_path / 'store'} (`gpusnap ls` lists what it holds), "
+                                     f"and cannot reach registry 127.0.0.1:{dead_port}")
+    assert exc.value.exit_code == ExitCode.REGISTRY
+    with pytest.raises(RegistryError, match="^GET /v2/ on r: HTTP 500"):  # the registry answered: its answer only
+        with _not_in_store_either(ref, tmp_path / "store"):
+            raise RegistryError("GET /v2/ on r: HTTP 500")
+
+
+def test_an_address_that_never_answered_fails_at_once_a_registry_that_did_is_retried(
+        dead_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listening before the registry ever answered: reported after one retry, not the
+    whole backoff (15 s with the defaults); after an answer (a restart mid-transfer) every retry."""
+    from gpusnap.errors import RegistryError
+    from gpusnap.packaging import registry
+
+    slept: list[float] = []
+    monkeypatch.setattr(registry.time, "sleep", slept.append)
+    client = registry.RegistryClient(f"127.0.0.1:{dead_port}", insecure=True)  # the defaults: 6 tries
+    with pytest.raises(RegistryError, match="Connection refused"):
+        client.get_manifest("r/x", "1")
+    assert slept == [client.backoff_s]
+    slept.clear()
+    client.reached = True
+    with pytest.raises(RegistryError, match="Connection refused"):
+        client.get_manifest("r/x", "1")
+    assert len(slept) == client.retries - 1
