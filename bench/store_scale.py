@@ -86,12 +86,37 @@ def hwm() -> int:
     return 0
 
 
-def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "", switch: float = 0.0) -> None:
+VARIANTS = {
+    "": "as shipped",
+    "no-kick": "no sync_file_range after each write (the kernel writes back on its own until each pack's fdatasync)",
+    "pack128": "packs of 128 MiB instead of 32 MiB (a quarter of the fdatasyncs)",
+}
+
+
+def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "", switch: float = 0.0,
+          variant: str = "") -> None:
+    import dataclasses
     import inspect
     import resource
 
     if switch:
         sys.setswitchinterval(switch)
+    # Variants for a diagnosis of the store's disk writes, patched into this process only.
+    if variant == "no-kick":
+        from gpusnap.packaging import store as store_mod
+
+        store_mod._sync_file_range = None
+    elif variant == "pack128":
+        from gpusnap.packaging import pack
+
+        # The store makes its parameters with PackParams(): a subclass whose default differs.
+        @dataclasses.dataclass(frozen=True)
+        class Pack128(pack.PackParams):
+            pack_target: int = 128 << 20
+
+        pack.PackParams = Pack128  # type: ignore[misc]
+    elif variant:
+        raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(v for v in VARIANTS if v)}")
 
     from gpusnap.packaging import api
 
@@ -113,10 +138,61 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
     print(json.dumps({"seconds": secs, "store_s": store_s, "cpu_s": cpu, "hwm": hwm(), "new_bytes": st.new_bytes, "size": st.size}))
 
 
+class DiskSampler:
+    """Sectors written to one block device (/proc/diskstats), sampled every 20 ms while a store
+    runs: when the disk starts and stops taking the store's writes, and how fast meanwhile."""
+
+    def __init__(self, dev: str) -> None:
+        import threading
+
+        self.dev, self.samples = dev, []  # (seconds, bytes written so far)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _written(self) -> int:
+        for line in Path("/proc/diskstats").read_text().splitlines():
+            f = line.split()
+            if f[2] == self.dev:
+                return int(f[9]) * 512
+        raise SystemExit(f"no block device {self.dev} in /proc/diskstats")
+
+    def _run(self) -> None:
+        t0, b0 = time.perf_counter(), self._written()
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter() - t0, self._written() - b0))
+            self._stop.wait(0.02)
+        self.samples.append((time.perf_counter() - t0, self._written() - b0))
+
+    def __enter__(self) -> "DiskSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        total = self.samples[-1][1]
+        if not total:
+            return {"disk_gb": 0.0}
+        first = next(t for t, b in self.samples if b > 0.01 * total)
+        last = next(t for t, b in self.samples if b >= 0.99 * total)
+        best = 0.0  # the fastest 0.5 s
+        j = 0
+        for i, (t, b) in enumerate(self.samples):
+            while self.samples[j][0] < t - 0.5:
+                j += 1
+            if t - self.samples[j][0] >= 0.45:
+                best = max(best, (b - self.samples[j][1]) / (t - self.samples[j][0]))
+        return {"disk_gb": round(total / 1e9, 3), "disk_first_s": round(first, 2), "disk_last_s": round(last, 2),
+                "disk_gbps_between": round(0.98 * total / max(last - first, 1e-3) / 1e9, 3), "disk_gbps_best_0.5s": round(best / 1e9, 3)}
+
+
 def run_store(src: Path, store: Path, ref: str, size: int, workers: int | None, push: str = "",
-              profile: Path | None = None, switch: float = 0.0, gil: Path | None = None) -> dict[str, float]:
+              profile: Path | None = None, switch: float = 0.0, gil: Path | None = None, variant: str = "",
+              disk: str = "") -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", "--src", str(src), "--store", str(store), "--ref", ref,
-           "--workers", str(workers or 0), "--push", push, "--switch-interval", str(switch)]
+           "--workers", str(workers or 0), "--push", push, "--switch-interval", str(switch), "--variant", variant]
     if gil is not None:
         # Only the samples of the thread that holds the interpreter lock: what of the store is serial.
         gil.parent.mkdir(parents=True, exist_ok=True)
@@ -125,11 +201,21 @@ def run_store(src: Path, store: Path, ref: str, size: int, workers: int | None, 
         # py-spy samples every thread, idle ones too: where the store and the uploads wait.
         profile.parent.mkdir(parents=True, exist_ok=True)
         cmd = ["py-spy", "record", "--threads", "--idle", "--rate", "200", "--format", "raw", "-o", str(profile), "--", *cmd]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    if disk:
+        os.sync()  # what came before is not this store's to write
+    sampler = DiskSampler(disk) if disk else None
+    if sampler:
+        sampler.__enter__()
+    try:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    finally:
+        if sampler:
+            sampler.__exit__()
     r = json.loads([line for line in out.stdout.strip().splitlines() if line.startswith("{")][-1])
     return {"seconds": round(r["seconds"], 2), "store_s": round(r.get("store_s", r["seconds"]), 2),
             "gb_s": round(size / r["seconds"] / 1e9, 3), "cpu_s_per_gb": round(r["cpu_s"] / (size / 1e9), 3),
-            "peak_rss_mib": round(r["hwm"] / MIB, 1), "new_gb": round(r["new_bytes"] / 1e9, 3)}
+            "peak_rss_mib": round(r["hwm"] / MIB, 1), "new_gb": round(r["new_bytes"] / 1e9, 3),
+            **(sampler.summary() if sampler else {})}
 
 
 def main() -> int:
@@ -152,11 +238,15 @@ def main() -> int:
                     help="also store while pushing to a local docker-registry (checkpoint --push's pipeline), "
                          "registry storage on /dev/shm, next to the store alone in the same run")
     ap.add_argument("--profile", type=Path, default=None, help="py-spy raw profiles of each store into this folder")
+    ap.add_argument("--variant", default="", help="a comma list of store variants run in turn, each as a first store "
+                    "('' = as shipped): " + "; ".join(f"{k or 'as-is'}: {v}" for k, v in VARIANTS.items()))
+    ap.add_argument("--disk", default="", help="block device to sample while each store runs (e.g. vda): when it "
+                    "writes and how fast, and before the stores the disk floor of bench/e2e.py")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     counts = [int(w) for w in str(a.workers).split(",")]
     if a.child:
-        child(a.src, a.store, a.ref, counts[0] or None, a.push, a.switch_interval)
+        child(a.src, a.store, a.ref, counts[0] or None, a.push, a.switch_interval, a.variant)
         return 0
     size = int(a.gib * GIB) // PAGE * PAGE
     t0 = time.perf_counter()
@@ -165,13 +255,23 @@ def main() -> int:
     shutil.rmtree(a.store, ignore_errors=True)
     prof = (lambda name: a.profile / f"{name}.txt") if a.profile else (lambda name: None)
     workers = counts[-1] or None
+    if a.disk:
+        sys.path.insert(0, str(REPO / "bench"))
+        from e2e import floor_disk
+
+        a.store.parent.mkdir(parents=True, exist_ok=True)
+        print(f"disk floor ({a.store.parent}): {json.dumps(floor_disk(size, str(a.store.parent)))}", flush=True)
     try:
+        for v in [x if x != "as-is" else "" for x in a.variant.split(",")] if a.variant else []:
+            row = run_store(a.src, a.store, "scale:1", size, workers, variant=v, disk=a.disk, switch=a.switch_interval)
+            print(f"first store, variant {v or 'as-is'}: {json.dumps(row)}", flush=True)
+            shutil.rmtree(a.store, ignore_errors=True)
         for n in counts[:-1]:  # the scaling rows: each a first store into an empty store
-            row = run_store(a.src, a.store, "scale:1", size, n or None, switch=a.switch_interval)
+            row = run_store(a.src, a.store, "scale:1", size, n or None, switch=a.switch_interval, disk=a.disk)
             print(f"first store, {n} workers:      {json.dumps(row)}", flush=True)
             shutil.rmtree(a.store, ignore_errors=True)
         first = run_store(a.src, a.store, "scale:1", size, workers, profile=prof("store"), switch=a.switch_interval,
-                          gil=a.gil / "store-gil.txt" if a.gil else None)
+                          gil=a.gil / "store-gil.txt" if a.gil else None, disk=a.disk)
         print(f"first store (empty store{f', {workers} workers' if workers else ''}): {json.dumps(first)}", flush=True)
         if not a.rss_only:
             second = run_store(a.src, a.store, "scale:2", size, workers, switch=a.switch_interval)
