@@ -783,7 +783,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
             need(env, 30 + 8 * gb(r["image_bytes"]) * 2, "the store-only checkpoint (and the pushed ones)")
             store_a = work / "store-a"
             say(f"{w.name}: gpusnap checkpoint --leave-running (store only, empty store)")
-            c0 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--json"],
+            c0 = measure([*profiler(env, f"checkpoint-store-after-dump-{w.name}"), *env.gpusnap, "checkpoint", name, "--leave-running", "--json"],
                          env={**env.cli_env(store_a), "GPUSNAP_STORE_WHILE_DUMPING": "0"})
             r["rss"].append(rss_row("checkpoint (store only)", c0))
             c0.check()
@@ -1305,7 +1305,8 @@ def main() -> int:
                     help="also checkpoint --push the running workload twice under each of: stored beside the dump (default "
                          "threads), after the dump, beside it with a thread per core (what the store beside it costs CRIU's dump)")
     ap.add_argument("--skip-ckdiff", action="store_true", help="no ckdiff between the two checkpoints (its diagnosis is in earlier runs; saves ~30 s on the GPU host)")
-    ap.add_argument("--py-spy", help="py-spy binary: record both restores' CLI timelines (a diagnosis: they run slower so)")
+    ap.add_argument("--py-spy", help="py-spy binary: record the CLI timelines of the checkpoint stored after the dump and of both "
+                    "restores (a diagnosis: they run slower so)")
     ap.add_argument("--source-digest", action="store_true", help="print the digest of the gpusnap sources the gpusnap command runs, and exit")
     ap.add_argument("--report", type=Path, help="print the tables of a saved e2e.json again and exit")
     ap.add_argument("--floor", help=argparse.SUPPRESS)
