@@ -95,6 +95,54 @@ def test_pagemap_keeps_only_entries_whose_pages_are_in_the_file() -> None:
     assert [(r.vaddr, r.file_offset // PAGE, r.nr_pages) for r in ranges] == [(0x1000, 0, 2), (0x30000, 2, 3), (0x50000, 5, 6)]
 
 
+def test_pagemap_entries_read_in_place_equal_the_general_decoder() -> None:
+    """The pagemap reader's in-place loop (pagemap._entry_fields) against decode_message on
+    random entries: every field order, flags or not, in_parent, CRIU 4.2's count, repeated and
+    unknown fields (varint, fixed and length-delimited: those go to the general decoder)."""
+    from criu_images import field_bytes, field_varint
+    from gpusnap.criu import pagemap as pm
+    from gpusnap.criu.images import decode_message
+
+    rng = random.Random(11)
+    for _ in range(3000):
+        fields = [field_varint(1, rng.choice([0, 0x1000, 0x7F0000000000 + rng.randrange(1 << 30) * PAGE, (1 << 64) - PAGE]))]
+        if rng.random() < 0.9:
+            fields.append(field_varint(2, rng.choice([0, 1, 127, 128, 300000, (1 << 32) - 1])))
+        if rng.random() < 0.2:
+            fields.append(field_varint(3, rng.choice([0, 1])))
+        if rng.random() < 0.7:
+            fields.append(field_varint(4, rng.choice([PE_PRESENT, PE_LAZY, PE_PARENT, PE_LAZY | PE_PRESENT, 0])))
+        if rng.random() < 0.2:
+            fields.append(field_varint(5, rng.choice([0, 5, 1 << 40])))
+        if rng.random() < 0.1:
+            fields.append(rng.choice([field_varint(1, 0x2000), field_varint(9, 3), field_varint(20, 1), field_bytes(6, b"xy"),
+                                      b"\x31" + bytes(8), b"\x35" + bytes(4)]))
+        rng.shuffle(fields)
+        msg = b"".join(fields)
+        fast = pm._entry_fields(bytearray(msg), 0, len(msg))
+        try:
+            slow = pm._entry_of(decode_message(msg))
+        except Exception as exc:  # noqa: BLE001 - the general decoder's verdict, the fast one must defer to it
+            assert fast is None, (msg, exc)
+            continue
+        assert fast is None or fast == slow, (msg, fast, slow)
+
+
+def test_ranges_of_reads_only_the_pagemap_that_names_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint of several processes has a pagemap each; a pages file's ranges parse its own
+    pagemap only (each pages file used to parse every pagemap before its own)."""
+    from gpusnap.criu import pagemap as pm
+
+    pagemaps = {f"pagemap-{i}.img": _pagemap(i, [(0x7F0000000000 + k * 8 * PAGE, 4, PE_PRESENT, False) for k in range(50 * i)])
+                for i in (1, 2, 3)}
+    parsed: list[int] = []
+    real = pm.parse_pagemap
+    monkeypatch.setattr(pm, "parse_pagemap", lambda data: parsed.append(len(data)) or real(data))
+    for i in (3, 2, 1):
+        assert sum(r.nr_pages for r in pm.ranges_of(pagemaps, f"pages-{i}.img", 200 * i * PAGE)) == 200 * i
+    assert parsed == [len(pagemaps[f"pagemap-{i}.img"]) for i in (3, 2, 1)]
+
+
 def test_pagemap_of_criu_4_2_reads_the_64_bit_page_count() -> None:
     img = _pagemap(8, [(0x7F0000000000, 300000, PE_LAZY | PE_PRESENT, False), (0x7F1000000000, 2, PE_PRESENT, False)], criu42=True)
     pages_id, ranges = parse_pagemap(img)
