@@ -234,6 +234,9 @@ def _ls(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     if as_json:
         _print_json(rows)
         return
+    if not rows:  # a header over nothing reads as a broken listing to a newcomer
+        print(f"no checkpoints in {_store(store)}; `gpusnap checkpoint CONTAINER` stores one, `gpusnap pull REF` fetches one")
+        return
     console = _console()
     console.print(ls_table(rows, console.width))
 

@@ -48,6 +48,9 @@ def register(app: typer.Typer) -> None:
         if as_json:
             c.out.json([i.to_dict() for i in items])
             return
+        if not items:
+            print("no runc-direct containers; `gpusnap run NAME -- COMMAND` starts one")
+            return
         rows = [(i.name, i.status, i.pid or "", i.labels.get("network", ""), age(i.created), " ".join(i.command)) for i in items]
         columns = [
             Column("NAME", overflow="fold", min_width=min(40, max((len(i.name) for i in items), default=4))),

@@ -250,3 +250,14 @@ def test_an_address_that_never_answered_fails_at_once_a_registry_that_did_is_ret
     with pytest.raises(RegistryError, match="Connection refused"):
         client.get_manifest("r/x", "1")
     assert len(slept) == client.retries - 1
+
+
+def test_empty_listings_say_so_and_how_to_fill_them(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A table header over no rows read as a broken listing; --json stays an empty list."""
+    code, out, _ = run(capsys, "ls", "--store", str(tmp_path / "s"))
+    assert code == 0
+    assert out == f"no checkpoints in {tmp_path / 's'}; `gpusnap checkpoint CONTAINER` stores one, `gpusnap pull REF` fetches one\n"
+    code, out, _ = run(capsys, "ls", "--store", str(tmp_path / "s"), "--json")
+    assert code == 0 and out.strip() == "[]"
+    code, out, _ = run(capsys, "ps")
+    assert code == 0 and out == "no runc-direct containers; `gpusnap run NAME -- COMMAND` starts one\n"
