@@ -182,6 +182,22 @@ def test_checkpoint_start_up_loads_neither_pydantic_nor_other_commands() -> None
     assert out.strip() == "[]"
 
 
+def test_plain_registry_transfers_load_no_cryptography() -> None:
+    """A push, pull or restore of a plain checkpoint loads the packaging code that tells
+    encrypted artifacts from plain ones, and `cryptography` only when a key is given."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import gpusnap.packaging.api, gpusnap.packaging.registry, gpusnap.packaging.fetch, gpusnap.packaging.encrypted\n"
+        "import gpusnap.engines.orchestrate, gpusnap.cli.artifacts, gpusnap.cli.snapshot\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'cryptography'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 @pytest.fixture
 def dead_port() -> int:
     """A loopback port nothing listens on: every connection is refused at once."""
