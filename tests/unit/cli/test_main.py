@@ -182,19 +182,28 @@ def test_checkpoint_start_up_loads_neither_pydantic_nor_other_commands() -> None
     assert out.strip() == "[]"
 
 
-def test_plain_registry_transfers_load_no_cryptography() -> None:
-    """A push, pull or restore of a plain checkpoint loads the packaging code that tells
-    encrypted artifacts from plain ones, and `cryptography` only when a key is given."""
+def test_plain_checkpoints_load_no_cryptography(tmp_path: Path) -> None:
+    """Storing, inspecting and materializing a plain checkpoint go through the code that tells
+    encrypted artifacts from plain ones (gpusnap.packaging.encrypted), and load `cryptography`
+    only when a key is given."""
     import subprocess
     import sys
 
+    src = tmp_path / "ck"
+    src.mkdir()
+    (src / "inventory.img").write_bytes(b"inv")
+    (src / "data.bin").write_bytes(bytes(range(256)) * 4096)
     probe = (
-        "import sys\n"
-        "import gpusnap.packaging.api, gpusnap.packaging.registry, gpusnap.packaging.fetch, gpusnap.packaging.encrypted\n"
-        "import gpusnap.engines.orchestrate, gpusnap.cli.artifacts, gpusnap.cli.snapshot\n"
+        "import sys\nfrom pathlib import Path\nfrom gpusnap.packaging import api\n"
+        "store, src, out = (Path(a) for a in sys.argv[1:])\n"
+        "api.store_checkpoint(store, src, form='criu-dir', ref='x:1')\n"
+        "api.inspect(store, 'x:1')\n"
+        "api.materialize_checkpoint(store, 'x:1', out, form='criu-dir')\n"
+        "assert 'gpusnap.packaging.encrypted' in sys.modules\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'cryptography'}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "s"), str(src), str(tmp_path / "out")],
+                         capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
