@@ -36,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Any
 import zstandard
 
 from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, UsageError
+from gpusnap.host.cores import usable_cores
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata
 from gpusnap.criu import images as pstree
 from gpusnap.packaging import chunker
@@ -800,7 +801,7 @@ def write_directory_pieced(store: OciStore, art: LoadedArtifact, prefix: str | N
             return [(by_name[n], off) for n, off in landed.wanted() if n in by_name]
 
         queue = lay.BlobQueue(rest, asked if landed is not None else None)
-        n = max(1, workers or os.cpu_count() or 1)
+        n = max(1, workers or usable_cores())
         with ThreadPoolExecutor(n, thread_name_prefix="gpusnap-place") as pool:
             try:
                 early = [pool.submit(place, b) for b in first]

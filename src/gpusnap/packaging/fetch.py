@@ -52,6 +52,7 @@ import requests
 import zstandard
 
 from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, RegistryError, UsageError
+from gpusnap.host.cores import usable_cores
 from gpusnap.packaging import artifact as fmt
 from gpusnap.packaging import transfer_procs
 from gpusnap.packaging import layout as lay
@@ -93,7 +94,7 @@ def fetch_workers(client_workers: int) -> int:
     """Transfers at once: one per core (at least the client's own count). Each transfer
     receives, hashes and writes its blob in turn, one core's worth of work, so fewer transfers
     than cores leaves cores idle; memory per transfer is one FETCH_RECV buffer."""
-    return max(1, min(MAX_FETCH_WORKERS, max(client_workers, os.cpu_count() or 1)))
+    return max(1, min(MAX_FETCH_WORKERS, max(client_workers, usable_cores())))
 
 
 # ---- what to write where ----------------------------------------------------------------------

@@ -56,6 +56,7 @@ from typing import Any
 
 from gpusnap.criu.pagemap import PAGE_SIZE, PAGEMAP_NAME, PageRange, PagemapReader, merge_contiguous
 from gpusnap.criu.images import DUMP_STATS, ImageFormatError
+from gpusnap.host.cores import usable_cores
 from gpusnap.packaging.store import OciStore
 
 # Threads of a follower's pack writer when the caller names no count: a quarter of the cores, at
@@ -70,7 +71,7 @@ BESIDE_DUMP_MIN = 4
 
 def beside_dump_workers(cores: int | None = None) -> int:
     """The follower's default thread count on a host of ``cores`` cores."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     return min(cores, max(BESIDE_DUMP_MIN, cores // 4))
 
 # numpy and the pack writer are imported where they are first used, on the follower's thread:

@@ -41,6 +41,7 @@ import zstandard
 from pyfastcdc import FastCDC
 
 from gpusnap.errors import IntegrityError
+from gpusnap.host.cores import usable_cores
 from gpusnap.host.priority import yielding_pool
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging.store import Descriptor, OciStore, PlacedBlobWriter
@@ -529,7 +530,7 @@ class PackWriter:
         self.p = params
         self.known = known if known is not None else KnownIndex()
         self.on_blob = on_blob
-        self.workers = max(1, workers or os.cpu_count() or 1)
+        self.workers = max(1, workers or usable_cores())
         # ``nice``: the threads' nice value (gpusnap.host.priority), raised where the pack runs
         # beside a dump.
         self.pool = yielding_pool(self.workers, "gpusnap-pack", nice)

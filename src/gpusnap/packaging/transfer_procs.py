@@ -28,6 +28,7 @@ from dataclasses import asdict
 from typing import IO, TYPE_CHECKING, Any
 
 from gpusnap import errors
+from gpusnap.host.cores import usable_cores
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging.store import Descriptor
 
@@ -69,7 +70,7 @@ def auto_processes(blob_bytes: int, cores: int | None = None) -> int:
     """How many transfer processes a fetch of ``blob_bytes`` uses on its own: none on a small
     pull or a host of under 4 cores (there the cores, not the interpreter lock, are the limit),
     else one per CORES_PER_PROCESS cores (at least 2, at most MAX_PROCESSES)."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     if blob_bytes < MIN_BYTES or cores < MIN_CORES:
         return 0
     return max(2, min(MAX_PROCESSES, cores // CORES_PER_PROCESS))
@@ -80,7 +81,7 @@ def push_processes(blob_bytes: int | None, cores: int | None = None) -> int:
     cores or for under MIN_BYTES of blobs, else PUSH_PROCESSES. ``blob_bytes`` None: not known
     yet (``checkpoint --push`` starts them before the dump, beside the runtime's start, so that
     they are ready when the first pack is)."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     if cores < MIN_CORES or (blob_bytes is not None and blob_bytes < MIN_BYTES):
         return 0
     return PUSH_PROCESSES
