@@ -203,14 +203,11 @@ def run_store(src: Path, store: Path, ref: str, size: int, workers: int | None, 
         cmd = ["py-spy", "record", "--threads", "--idle", "--rate", "200", "--format", "raw", "-o", str(profile), "--", *cmd]
     if disk:
         os.sync()  # what came before is not this store's to write
+    import contextlib
+
     sampler = DiskSampler(disk) if disk else None
-    if sampler:
-        sampler.__enter__()
-    try:
+    with sampler or contextlib.nullcontext():
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    finally:
-        if sampler:
-            sampler.__exit__()
     r = json.loads([line for line in out.stdout.strip().splitlines() if line.startswith("{")][-1])
     return {"seconds": round(r["seconds"], 2), "store_s": round(r.get("store_s", r["seconds"]), 2),
             "gb_s": round(size / r["seconds"] / 1e9, 3), "cpu_s_per_gb": round(r["cpu_s"] / (size / 1e9), 3),
