@@ -535,9 +535,11 @@ def _no_such_host(exc: BaseException) -> bool:
 
 
 def _never_answers(exc: BaseException) -> bool:
-    """An error that says the address itself is wrong (no such host, nothing listening there),
-    not that an answer was slow or cut off."""
-    return _no_such_host(exc) or "Connection refused" in str(exc)
+    """An error that says the address itself is wrong (no such host, nothing listening there,
+    a server that does not speak TLS or whose certificate this host does not trust), not that an
+    answer was slow or cut off."""
+    text = str(exc)
+    return _no_such_host(exc) or any(s in text for s in ("Connection refused", "WRONG_VERSION_NUMBER", "CERTIFICATE_VERIFY_FAILED"))
 
 
 def unreachable_cause(exc: BaseException | None) -> str:
@@ -552,8 +554,12 @@ def unreachable_cause(exc: BaseException | None) -> str:
         return found[-1].strip().rstrip(".")
     if isinstance(exc, requests.Timeout):
         return "timed out"
-    if isinstance(exc, requests.exceptions.SSLError):
-        return "TLS handshake failed: " + text[-160:]
+    tls = re.search(r"\[SSL: ([A-Z_]+)\] ([^(\"']+)", text)
+    if tls:
+        reason = "TLS: " + tls.group(2).strip().rstrip(".")
+        if tls.group(1) == "CERTIFICATE_VERIFY_FAILED":
+            reason += "; to trust the registry's CA: REQUESTS_CA_BUNDLE=CA.pem"
+        return reason
     return text if len(text) <= 200 else text[:200] + "..."
 
 

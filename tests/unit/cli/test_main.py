@@ -286,3 +286,33 @@ def test_empty_listings_say_so_and_how_to_fill_them(capsys: pytest.CaptureFixtur
     assert code == 0 and out.strip() == "[]"
     code, out, _ = run(capsys, "ps")
     assert code == 0 and out == "no runc-direct containers; `gpusnap run NAME -- COMMAND` starts one\n"
+
+
+def test_a_plain_http_registry_asked_for_tls_says_so_at_once() -> None:
+    """HTTPS to a server that speaks plain HTTP: one line naming TLS and --insecure, after one
+    retry at most (a registry that speaks no TLS will not start to)."""
+    import http.server
+    import threading
+    import time
+
+    from gpusnap.errors import RegistryError
+    from gpusnap.packaging.registry import RegistryClient, unreachable_cause
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = RegistryClient(f"127.0.0.1:{server.server_address[1]}")  # the defaults: 6 tries, 15 s of backoff
+        t0 = time.monotonic()
+        with pytest.raises(RegistryError) as exc:
+            client.get_manifest("r/x", "1")
+        assert time.monotonic() - t0 < 3
+        assert str(exc.value) == (f"cannot reach registry 127.0.0.1:{server.server_address[1]} (TLS: wrong version number); "
+                                  "check the address and that it is up, or use --insecure for a plain-HTTP registry")
+    finally:
+        server.shutdown()
+        server.server_close()
+    # A certificate this host does not trust: how to trust it.
+    text = ("HTTPSConnectionPool(host='r', port=443): Max retries exceeded with url: /v2/ (Caused by SSLError("
+            "SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate (_ssl.c:1006)')))")
+    assert unreachable_cause(OSError(text)) == ("TLS: certificate verify failed: self-signed certificate; "
+                                                "to trust the registry's CA: REQUESTS_CA_BUNDLE=CA.pem")
