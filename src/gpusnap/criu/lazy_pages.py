@@ -64,7 +64,6 @@ from typing import Any
 from gpusnap.criu.landed import PAGES_NAME, Intervals, LedgerFollower, wanted_path
 from gpusnap.criu.pagemap import PAGE_SIZE, PagemapReader
 from gpusnap.criu.images import ImageFormatError, decode_message, read_entries
-from gpusnap.host.cores import usable_cores
 
 SOCKET_NAME = "lazy-pages.socket"
 RESTORE_FINISHED = 0x52535446
@@ -970,7 +969,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpusnap.criu.lazy_pages")
     p.add_argument("images", type=Path)
     p.add_argument("work", type=Path)
-    p.add_argument("--threads", type=int, default=min(8, usable_cores()))
+    # the cores this process may run on (as gpusnap.host.cores counts them; criu does not import host)
+    p.add_argument("--threads", type=int, default=min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     p.add_argument("--accept-timeout", type=float, default=0.0, help="seconds to wait for the restore (0: as long as its starter lives)")
     p.add_argument("--log", type=Path)
     p.add_argument("--done-marker", type=Path, help="removed once every page is in (the engine's sign of a complete restore)")
