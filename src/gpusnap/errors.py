@@ -75,6 +75,11 @@ class RegistryError(GpusnapError):
     exit_code = ExitCode.REGISTRY
 
 
+class RegistryUnreachable(RegistryError):
+    """No answer from the registry at all (no such host, nothing listening, no TLS where TLS was
+    asked for), as opposed to an answer that refused or failed the request."""
+
+
 class IntegrityError(GpusnapError):
     exit_code = ExitCode.INTEGRITY
 

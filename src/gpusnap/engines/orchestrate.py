@@ -40,7 +40,7 @@ from gpusnap.engines.base import (
 )
 from gpusnap.engines import imagedir, workdirs
 from gpusnap.engines.registry import detect_form, engine_for_form, find_container, make_engine, read_json_member
-from gpusnap.errors import ExitCode, GpusnapError, MissingDependencyError, NotFoundError, UsageError
+from gpusnap.errors import ExitCode, GpusnapError, MissingDependencyError, NotFoundError, RegistryUnreachable, UsageError
 from gpusnap.host.facts import HostFacts, gather, require_compatible
 from gpusnap.metadata import METADATA_FILE, CheckpointMetadata, GpuInfo, GpuProcess
 from gpusnap.steps import Step, StepFailed, background, run_steps
@@ -889,11 +889,9 @@ def _not_in_store_either(source: str, store_dir: Path) -> Iterator[None]:
     problem."""
     try:
         yield
-    except GpusnapError as exc:
-        if exc.exit_code != ExitCode.REGISTRY or not str(exc).startswith("cannot reach registry"):
-            raise
-        raise type(exc)(f"{source} is not in the local store {store_dir} (`gpusnap ls` lists what it holds), "
-                        f"and {exc}") from None
+    except RegistryUnreachable as exc:
+        raise RegistryUnreachable(f"{source} is not in the local store {store_dir} (`gpusnap ls` lists what it holds), "
+                                  f"and {exc}") from None
 
 
 def _local_or_pull(api: Any, settings: Settings, ref: str, insecure: bool, progress: Progress, **keys: Any) -> str:

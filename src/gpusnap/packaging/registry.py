@@ -19,7 +19,7 @@ module implements the distribution API directly:
   becomes visible only when its digest and size match; interrupted downloads resume with a
   Range request;
 * retries with exponential backoff on connection errors, 429 and 5xx (not for an address that
-  never answered: no such host, or refused twice).
+  never answered: no such host at once; refused, no TLS or an untrusted certificate twice).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from urllib.parse import urlencode, urljoin, urlsplit
 import requests
 from requests.adapters import HTTPAdapter
 
-from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, RegistryError, UsageError
+from gpusnap.errors import GpusnapError, IntegrityError, NotFoundError, RegistryError, RegistryUnreachable, UsageError
 from gpusnap.packaging.auth import AuthSources, Credentials, find_credentials
 from gpusnap.packaging.progress import Progress, default_progress
 from gpusnap.packaging.store import (
@@ -156,8 +156,8 @@ class RegistryClient:
         self.recoveries: list[tuple[str, int, int]] = []  # (blob, offset at failure, offset resumed from)
         self._challenge: tuple[str, dict[str, str]] | None = None
         # Whether the registry has answered this client (or the one it was made from): until
-        # it has, an address that cannot work (no such host, nothing listening) is reported at
-        # once instead of after the whole backoff (15 s), which is for registries that drop
+        # it has, an address that cannot work (_never_answers) is reported after one retry at
+        # most instead of after the whole backoff (15 s), which is for registries that drop
         # out in the middle of a transfer.
         self.reached = False
 
@@ -268,7 +268,7 @@ class RegistryClient:
                 last_exc = exc
                 attempt += 1
                 if not self.reached and (attempt >= 2 or _no_such_host(exc)) and _never_answers(exc):
-                    break  # refused twice, or no such host, before it ever answered
+                    break  # no such host, or refused / no TLS twice, before it ever answered
                 if attempt < attempts:
                     time.sleep(self.backoff_s * (2 ** (attempt - 1)))
                 continue
@@ -292,7 +292,7 @@ class RegistryClient:
                 time.sleep(self.backoff_s * (2 ** (attempt - 1)))
                 continue
             raise RegistryError(f"{method} {urlsplit(url).path} on {self.registry}: HTTP {r.status_code} {_error_text(r)}")
-        raise RegistryError(f"cannot reach registry {self.registry} ({unreachable_cause(last_exc)}); check the address and that it is up"
+        raise RegistryUnreachable(f"cannot reach registry {self.registry} ({unreachable_cause(last_exc)}); check the address and that it is up"
                             f"{'' if self.base.startswith('http:') else ', or use --insecure for a plain-HTTP registry'}")
 
     # ---- manifests ----------------------------------------------------------------------------

@@ -243,12 +243,13 @@ def test_a_local_reference_not_in_the_store_says_so_beside_the_unreachable_regis
     """gpusnap's own names look like registry references: a restore of a mistyped local tag
     must not read as a network problem only."""
     from gpusnap.engines.orchestrate import _not_in_store_either
-    from gpusnap.errors import RegistryError
+    from gpusnap.errors import RegistryError, RegistryUnreachable
+    from gpusnap.packaging.registry import RegistryClient
 
     ref = f"127.0.0.1:{dead_port}/gpusnap/x:typo"
-    with pytest.raises(RegistryError) as exc:
+    with pytest.raises(RegistryUnreachable) as exc:
         with _not_in_store_either(ref, tmp_path / "store"):
-            raise RegistryError(f"cannot reach registry 127.0.0.1:{dead_port} (Connection refused); check the address")
+            RegistryClient(f"127.0.0.1:{dead_port}", insecure=True, retries=1).get_manifest("gpusnap/x", "typo")
     assert str(exc.value).startswith(f"{ref} is not in the local store {tmp_path / 'store'} (`gpusnap ls` lists what it holds), "
                                      f"and cannot reach registry 127.0.0.1:{dead_port}")
     assert exc.value.exit_code == ExitCode.REGISTRY
