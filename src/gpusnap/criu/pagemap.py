@@ -56,7 +56,12 @@ def head_pages_id(data: bytes) -> int:
     (ln,) = struct.unpack_from("<I", data, 8)
     if 12 + ln > len(data):
         raise ImageFormatError("pagemap head is truncated")
-    return int(decode_message(bytes(data[12:12 + ln])).get(1, [0])[0])
+    return _head_id(bytes(data[12:12 + ln]))
+
+
+def _head_id(message: bytes) -> int:
+    """pagemap_head.pages_id of a head message."""
+    return int(decode_message(message).get(1, [0])[0])
 
 
 class PagemapReader:
@@ -96,7 +101,7 @@ class PagemapReader:
                 break
             start, pos = pos + 4, pos + 4 + ln
             if self.pages_id is None:
-                self.pages_id = int(decode_message(bytes(buf[start:pos])).get(1, [0])[0])
+                self.pages_id = _head_id(bytes(buf[start:pos]))
                 continue
             e = _entry_fields(buf, start, pos)
             if e is None:  # a field this reader does not expect: the general decoder
