@@ -130,6 +130,10 @@ _ENV = {
 _FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"root"}
 
 
+# Settings that take ``auto`` (None) or a count in this range.
+_AUTO_COUNTS = {"fetch_processes": (0, 64), "push_processes": (0, 64), "store_workers": (1, 256)}
+
+
 def _coerce(name: str, value: object, source: str) -> object:
     if name == "lazy_pages" and str(value).strip().lower() == "auto":
         return None
@@ -148,19 +152,13 @@ def _coerce(name: str, value: object, source: str) -> object:
         return HostPaths(Path(str(value)))
     if name in ("run_dir", "state_dir", "store_dir"):
         return Path(str(value))
-    if name in ("fetch_processes", "push_processes"):
+    if name in _AUTO_COUNTS:
+        lo, hi = _AUTO_COUNTS[name]
         text = str(value).strip().lower()
         if text == "auto":
             return None
-        if not text.isdigit() or int(text) > 64:
-            raise UsageError(f"{source}: {name} must be auto or a whole number from 0 to 64, got {value!r}")
-        return int(text)
-    if name == "store_workers":
-        text = str(value).strip().lower()
-        if text == "auto":
-            return None
-        if not text.isdigit() or not 1 <= int(text) <= 256:
-            raise UsageError(f"{source}: store_workers must be auto or a whole number from 1 to 256, got {value!r}")
+        if not text.isdigit() or not lo <= int(text) <= hi:
+            raise UsageError(f"{source}: {name} must be auto or a whole number from {lo} to {hi}, got {value!r}")
         return int(text)
     if name in ("store_nice", "push_nice"):
         text = str(value).strip()
