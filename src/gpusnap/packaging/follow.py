@@ -62,9 +62,10 @@ from gpusnap.packaging.store import OciStore
 # Threads of a follower's pack writer when the caller names no count: a quarter of the cores, at
 # least BESIDE_DUMP_MIN. Beside the dump the store only has to keep up with CRIU (1.5-2 GB/s;
 # four threads store 2.3-2.6 GB/s on the 16-core H100 host), and every thread more costs the
-# dump: with all 16 cores CRIU's dump of a 5.2 GB server took 3.29-3.65 s, with 4 threads
-# 3.09-3.14 s, with nothing beside it 2.58-2.76 s; the pages left when the dump ended were added
-# in 0.26-0.34 s with 4 threads against 0.53-0.92 s with 16 (their interpreter lock shared)
+# dump: on two H100 hosts CRIU's dump of a 5.2 GB server took 3.29-4.68 s (median 3.54) with
+# the store on all 16 cores beside it, 3.09-3.79 s (median 3.18) with 4 threads, 2.58-3.04 s
+# with nothing beside it; on the first, the pages left when the dump ended were added in
+# 0.26-0.34 s with 4 threads against 0.53-0.92 s with 16 (their interpreter lock shared)
 # (bench/results/gpu-h100-e2e-2026-11-27-thirteenth-server, A/B "dump beside").
 BESIDE_DUMP_MIN = 4
 
