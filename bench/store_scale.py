@@ -90,6 +90,9 @@ VARIANTS = {
     "": "as shipped",
     "no-kick": "no sync_file_range after each write (the kernel writes back on its own until each pack's fdatasync)",
     "pack128": "packs of 128 MiB instead of 32 MiB (a quarter of the fdatasyncs)",
+    "per-piece": "each new piece handed to its lane as its own view (hashed in its own call), as before the "
+                 "fourteenth session, instead of one view per run of adjacent pieces",
+    "lanes8": "eight packs filled at once instead of four (the packs differ; the pieces do not)",
 }
 
 
@@ -115,6 +118,18 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
             pack_target: int = 128 << 20
 
         pack.PackParams = Pack128  # type: ignore[misc]
+    elif variant == "per-piece":
+        from gpusnap.packaging import pack
+
+        class PerPiece(pack._Piece):  # type: ignore[name-defined]
+            def __post_init__(self) -> None:
+                self.at = -1  # "not in a window": never merged with its neighbour
+
+        pack._Piece = PerPiece  # type: ignore[misc]
+    elif variant == "lanes8":
+        from gpusnap.packaging import pack
+
+        pack.LANES = 8  # type: ignore[misc]
     elif variant:
         raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(v for v in VARIANTS if v)}")
 

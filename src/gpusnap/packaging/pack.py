@@ -468,6 +468,7 @@ class _Piece:
     zero: bool = False
     view: Any = None  # raw bytes (memoryview into a window buffer, or bytes)
     sha: bytes = b""
+    at: int = -1  # where ``view`` starts in its window buffer (-1: not in one)
     stored: Any = None  # zstd frame when compressed and it paid
 
 
@@ -589,7 +590,7 @@ class PackWriter:
                 else:
                     pieces.append(_Piece(fi, start + a, b - a, zero=True))
             else:
-                pieces.append(_Piece(fi, start + a, b - a, view=mv[a:b]))
+                pieces.append(_Piece(fi, start + a, b - a, view=mv[a:b], at=a))
         self._hash(pieces)
         return pieces
 
@@ -721,6 +722,7 @@ class PackWriter:
         stats = self.stats
         lane = self.seq % LANES
         self.seq += 1
+        span_start = span_end = -2  # the window bytes that the last view of ``runs`` spans
         try:
             for pc in pieces:
                 stats["pieces"] += 1
@@ -752,9 +754,19 @@ class PackWriter:
                 off = pack.size
                 pack.size += n
                 if runs and runs[-1][0] is pack:
-                    runs[-1][2].append(data)
+                    if not compressed and pc.at >= 0 and pc.at == span_end:
+                        # Adjacent in the window and in the pack: one view, so that the lane
+                        # hashes (and writes) the run in one call. Per piece, each of its
+                        # updates gave the interpreter lock back and waited to retake it among
+                        # the pool's threads: half a core's SHA-256 per lane on a 16-core host.
+                        runs[-1][2][-1] = memoryview(buf.data)[span_start:pc.at + pc.raw]  # type: ignore[union-attr]
+                    else:
+                        runs[-1][2].append(data)
+                        span_start = pc.at
                 else:
                     runs.append((pack, off, [data]))
+                    span_start = pc.at
+                span_end = pc.at + pc.raw if not compressed and pc.at >= 0 else -2
                 self.fresh[pc.sha] = self.nrecords
                 self._record(pc.offset, off, pc.file, pack.index, pc.raw, n, lay.FLAG_ZSTD if compressed else 0, pc.sha)
                 stats["new_pieces"] += 1
@@ -858,7 +870,7 @@ class PackWriter:
     def _piece(self, fi: int, off: int, length: int, zero: bool, mv: memoryview, buf_start: int) -> _Piece:
         if zero:
             return _Piece(fi, off, length, zero=True)
-        return _Piece(fi, off, length, view=mv[off - buf_start: off - buf_start + length])
+        return _Piece(fi, off, length, view=mv[off - buf_start: off - buf_start + length], at=off - buf_start)
 
     def add_cdc(self, file_index: int, stream: IO[bytes], size: int) -> int:
         """Cut any other large file with FastCDC; pieces are copied out of pyfastcdc's buffer."""
