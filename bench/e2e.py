@@ -673,6 +673,24 @@ def first_step_after(env: Env, name: str, store: Path, since: float, timeout: fl
     return wait_until(probe, timeout, f"{name} to print a step after {since:.3f}", interval=0.3)
 
 
+def store_variants(env: Env, w: Workload, images: Path, r: dict[str, Any]) -> None:
+    """The by-hand dump's CRIU images (the real workload's, nothing else running) stored into
+    an empty store on the stores' disk once per variant of bench/store_scale.py, in the given
+    order: an A/B of the store's own code on this host's real image."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from store_scale import disk_of, run_store
+
+    store, size, rows = env.work / "store-variants", tree_bytes(images), []
+    dev = disk_of(env.work)
+    for v in env.args.store_variants.split(","):
+        shutil.rmtree(store, ignore_errors=True)
+        row = {"variant": v, **run_store(images, store, "variant:1", size, None, variant="" if v == "as-is" else v, disk=dev)}
+        rows.append(row)
+        say(f"{w.name}: store of the by-hand image ({gb(size):.2f} GB), variant {v}: {json.dumps(row)}")
+    shutil.rmtree(store, ignore_errors=True)
+    r["store_variants"] = rows
+
+
 def run_workload(env: Env, w: Workload) -> dict[str, Any]:
     r: dict[str, Any] = {"workload": w.name, "argv": w.argv, "rss": [], "skipped": [], "growth_target": w.growth_target,
                          "cold_start_target": w.cold_start_target, "rel_tol": w.rel_tol}
@@ -749,6 +767,8 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         say(f"{w.name}: by hand FAILED at {r['bare_error']}; output: {bare.output()[-1500:]}")
     finally:
         bare.cleanup()
+        if env.args.store_variants and images.is_dir():
+            store_variants(env, w, images, r)
         shutil.rmtree(images, ignore_errors=True)
     argv = w.argv
     if "bare_error" in r and stage in ("checkpoint", "restore", "output after restore") and "cudagraphs=on" in r.get("ready_line", "") and "--compile" in argv:
@@ -1155,6 +1175,9 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 if wrote and disk:
                     # The target counts the image's bytes; the disk takes only what is new and not zero.
                     row(f"    its writes: {gb(wrote):.2f} GB into the store", st0, f"{gb(wrote) / st0 / disk:.2f}x disk write", rate_bytes=wrote)
+        for v in w.get("store_variants", []):  # --store-variants: the by-hand image, bench/store_scale.py's child
+            rows.append((f"  store of the by-hand image, variant {v['variant']} ({v['new_gb']:.2f} GB new, disk took it at "
+                         f"{v.get('disk_gbps_between', 0):.2f} GB/s)", f"{v['store_s']:.2f}", f"{v['gb_s']:.2f}", "", ""))
         def stage_rows(timings: dict[str, float], first_step: float, cmd: float) -> None:
             """The command's own stage timings (orchestrate.restore), then what follows its restore
             step: to the workload's first line, and the command's clean-up after it."""
@@ -1304,6 +1327,9 @@ def main() -> int:
     ap.add_argument("--ab-dump-beside", action="store_true",
                     help="also checkpoint --push the running workload twice under each of: stored beside the dump (default "
                          "threads), after the dump, beside it with a thread per core (what the store beside it costs CRIU's dump)")
+    ap.add_argument("--store-variants", default="",
+                    help="a comma list of bench/store_scale.py variants ('as-is' = as shipped): the by-hand CRIU image stored "
+                         "into an empty store once per entry, in that order, after the by-hand rounds")
     ap.add_argument("--skip-ckdiff", action="store_true", help="no ckdiff between the two checkpoints (its diagnosis is in earlier runs; saves ~30 s on the GPU host)")
     ap.add_argument("--py-spy", help="py-spy binary: record the CLI timelines of the checkpoint stored after the dump and of both "
                     "restores (a diagnosis: they run slower so)")

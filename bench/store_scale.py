@@ -92,7 +92,11 @@ VARIANTS = {
     "pack128": "packs of 128 MiB instead of 32 MiB (a quarter of the fdatasyncs)",
     "per-piece": "each new piece handed to its lane as its own view (hashed in its own call), as before the "
                  "fourteenth session, instead of one view per run of adjacent pieces",
-    "lanes8": "eight packs filled at once instead of four (the packs differ; the pieces do not)",
+    "pack-sync": "each pack fdatasynced as it is sealed (before the fourteenth session) instead of all at the "
+                 "store's publish",
+    "sync-at-end": "packs made durable at the store's publish with one syncfs (instead of fdatasyncs on 16 threads)",
+    "pack64": "packs of 64 MiB instead of 32 MiB",
+    "lanesN": "N packs filled at once (e.g. lanes4, lanes8) instead of pack.LANES (the packs differ; the pieces do not)",
 }
 
 
@@ -118,6 +122,23 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
             pack_target: int = 128 << 20
 
         pack.PackParams = Pack128  # type: ignore[misc]
+    elif variant == "pack-sync":
+        from gpusnap.packaging import store as store_mod
+
+        real = store_mod.OciStore.placed_writer
+        store_mod.OciStore.placed_writer = lambda self, sync=True, kick=None: real(self, sync=True)  # type: ignore[method-assign]
+    elif variant == "sync-at-end":
+        from gpusnap.packaging import store as store_mod
+
+        store_mod.SYNC_PARALLEL_MAX = 0  # type: ignore[misc]
+    elif variant == "pack64":
+        from gpusnap.packaging import pack
+
+        @dataclasses.dataclass(frozen=True)
+        class Pack64(pack.PackParams):
+            pack_target: int = 64 << 20
+
+        pack.PackParams = Pack64  # type: ignore[misc]
     elif variant == "per-piece":
         from gpusnap.packaging import pack
 
@@ -126,12 +147,12 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
                 self.at = -1  # "not in a window": never merged with its neighbour
 
         pack._Piece = PerPiece  # type: ignore[misc]
-    elif variant == "lanes8":
+    elif variant.startswith("lanes") and variant[5:].isdigit():
         from gpusnap.packaging import pack
 
-        pack.LANES = 8  # type: ignore[misc]
+        pack.LANES = int(variant[5:])  # type: ignore[misc]
     elif variant:
-        raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(v for v in VARIANTS if v)}")
+        raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(v for v in VARIANTS if v)}")  # noqa
 
     from gpusnap.packaging import api
 
@@ -203,9 +224,18 @@ class DiskSampler:
                 "disk_gbps_between": round(0.98 * total / max(last - first, 1e-3) / 1e9, 3), "disk_gbps_best_0.5s": round(best / 1e9, 3)}
 
 
+def disk_of(path: Path) -> str:
+    """The block device (as /proc/diskstats names it) holding ``path``'s filesystem; '' if none."""
+    st = os.stat(path)
+    link = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    return link.resolve().name if link.exists() else ""
+
+
 def run_store(src: Path, store: Path, ref: str, size: int, workers: int | None, push: str = "",
               profile: Path | None = None, switch: float = 0.0, gil: Path | None = None, variant: str = "",
               disk: str = "") -> dict[str, float]:
+    """One store of ``src`` (a CRIU image directory) into ``store`` in a child process; its
+    speed, CPU, peak RSS and (``disk``: a block device name) how the disk took its writes."""
     cmd = [sys.executable, __file__, "--child", "--src", str(src), "--store", str(store), "--ref", ref,
            "--workers", str(workers or 0), "--push", push, "--switch-interval", str(switch), "--variant", variant]
     if gil is not None:

@@ -58,7 +58,9 @@ _K = np.array([
 ], dtype=np.uint64)
 SCHEME = "pagemap-pages-v2"
 # Packs filled at once (see PackWriter): four pack digests in parallel outrun a 16-core host's
-# disk; fixed, not per core, so that a checkpoint makes the same packs on every host.
+# disk (eight stored a real 5 GB server image no faster there: bench/results/
+# gpu-h100-e2e-2026-11-27-fourteenth); fixed, not per core, so that a checkpoint makes the same
+# packs on every host.
 LANES = 4
 _MAX_ZERO_PAGES = (1 << 30) // PAGE  # a zero piece's length must fit the table's 32-bit field
 
@@ -518,8 +520,8 @@ class PackWriter:
     core). Packs are filled ``LANES`` at a time, consecutive windows going to consecutive lanes;
     each lane's thread writes a window's new pieces into its open pack's file (``pwritev``
     straight from the window, which is then free again) and hashes them for the pack digest as
-    it goes, so ``LANES`` pack digests run at once with no read-back. ``sealers`` flush full
-    packs and commit them. The main thread only decides, in file order, which pieces are new and
+    it goes, so ``LANES`` pack digests run at once with no read-back. ``sealers`` commit full
+    packs as pending blobs (made durable together at the store's publish). The main thread only decides, in file order, which pieces are new and
     where they go: the artifact depends on the input only, not on timing or the number of cores.
     """
 
@@ -624,12 +626,12 @@ class PackWriter:
                 self._release(buf)
 
     def _commit_pack(self, pack: _Pack) -> Descriptor:
-        """sealers: once every piece is in the file (and hashed), flush it, add it as a blob."""
+        """sealers: once every piece is in the file (and hashed), add it as a pending blob."""
         try:
             for f in pack.writes:
                 f.result()
             pack.writes = []
-            digest = pack.writer.commit(pack.size)  # hashed as written: flush and commit
+            digest = pack.writer.commit(pack.size)  # hashed as written
             desc = Descriptor(lay.MEDIA_PACK, digest, pack.size)
             pack.desc = desc
             if self.on_blob is not None:
@@ -660,7 +662,9 @@ class PackWriter:
                 pass
 
     def _new_pack(self) -> _Pack:
-        pack = _Pack(self.store.placed_writer(sync=True), len(self.packs))
+        # Not fdatasynced as sealed: the store's publish makes all packs durable together (see
+        # OciStore._make_durable); their writeback starts as each piece is written.
+        pack = _Pack(self.store.placed_writer(sync=False, kick=True), len(self.packs))
         self.packs.append(pack)
         self.all_new.append(pack)
         return pack

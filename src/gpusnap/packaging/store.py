@@ -62,6 +62,11 @@ WRITEBACK_EVERY = 4 << 20  # a synced writer asks the kernel to start writing af
 # dirty byte on the filesystem (a training job's files, a registry on the same disk).
 SYNC_EACH_MAX = 32
 SYNC_EACH_MAX_BYTES = 256 << 20
+# More than that, up to this many blobs (a checkpoint's packs: ~1000 for 34 GB), are fdatasynced
+# on SYNC_THREADS threads: the filesystem's journal commits them together, and unlike a syncfs
+# nothing waits for other programs' dirty data. Beyond it, one syncfs.
+SYNC_PARALLEL_MAX = 4096
+SYNC_THREADS = 16
 
 
 def _sync_file_range_fn() -> Any:
@@ -267,9 +272,10 @@ class PlacedBlobWriter:
 
     HASH_CHUNK = 1 << 20
 
-    def __init__(self, store: "OciStore", *, sync: bool = True) -> None:
+    def __init__(self, store: "OciStore", *, sync: bool = True, kick: bool | None = None) -> None:
         self._store = store
         self._sync = sync
+        self._kick = sync if kick is None else kick  # start writeback as written (see _start_writeback)
         self.fd, name = tempfile.mkstemp(dir=store.ingest_dir, prefix="pack-")
         self._path = Path(name)
         self._done = False
@@ -307,7 +313,7 @@ class PlacedBlobWriter:
                 total += want
         except OSError as exc:
             raise _storage_error(exc, self._store.root) from None
-        if self._sync:
+        if self._kick:
             _start_writeback(self.fd, offset - total, total)
         return total
 
@@ -395,12 +401,15 @@ class OciStore:
     # ---- blobs --------------------------------------------------------------------------------
     # Verified blobs wait in ingest/ ("pending") until :meth:`publish`, which makes all of them
     # durable, then renames them into blobs/. A blob in blobs/ is therefore always whole,
-    # verified and on disk. Two ways to durability: writers that run on several threads (a
-    # pull, the pack writer's sealers) fdatasync each blob as it completes (``writer(sync=True)``),
-    # overlapping the flush with the other work; a single-threaded writer (a v1 chunker, the
-    # small blobs of store_checkpoint) leaves its blobs unsynced (an fsync in line would stall
-    # it) and publish flushes them: one by one when they are few (SYNC_EACH_MAX), else with one
-    # syncfs, which also waits for unrelated dirty data on the same filesystem.
+    # verified and on disk. Two ways to durability: a pull's writers fdatasync each blob as it
+    # completes (``writer(sync=True)``), overlapping the flush with the other transfers; the
+    # pack writer (its writeback started as each piece is written) and single-threaded writers
+    # (a v1 chunker, the small blobs of store_checkpoint) leave their blobs unsynced and publish
+    # flushes them: one by one when they are few (SYNC_EACH_MAX), on SYNC_THREADS threads up to
+    # SYNC_PARALLEL_MAX, else with one syncfs (which also waits for unrelated dirty data on the
+    # same filesystem). The packs' own fdatasyncs, one per 32 MiB as each was sealed, held the
+    # store of a 5 GB image to 1.4-1.8 GB/s of writes on an H100 host whose disk takes 2.0 (a
+    # journal commit and a device flush each); synced at publish it wrote at 2.0.
     def _add_pending(self, digest: str, path: Path, *, durable: bool = False) -> None:
         with self._pending_lock:
             if digest in self._pending:
@@ -438,18 +447,26 @@ class OciStore:
             many = len(paths) > SYNC_EACH_MAX or sum(p.stat().st_size for p in paths) > SYNC_EACH_MAX_BYTES
         except OSError as exc:
             raise _storage_error(exc, self.root) from None
-        if many:
+        if len(paths) > SYNC_PARALLEL_MAX:
             _syncfs(self.root)
-            return
-        for path in paths:
+        elif many:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="gpusnap-sync") as pool:
+                list(pool.map(self._fdatasync_path, paths))
+        else:
+            for path in paths:
+                self._fdatasync_path(path)
+
+    def _fdatasync_path(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                raise _storage_error(exc, self.root) from None
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise _storage_error(exc, self.root) from None
 
     def discard_pending(self) -> None:
         """Drop every blob this store object wrote but did not publish (a failed operation)."""
@@ -470,8 +487,8 @@ class OciStore:
     def writer(self, *, sync: bool = False, buffered: bool = True) -> BlobWriter:
         return BlobWriter(self, sync=sync, buffered=buffered)
 
-    def placed_writer(self, *, sync: bool = True) -> "PlacedBlobWriter":
-        return PlacedBlobWriter(self, sync=sync)
+    def placed_writer(self, *, sync: bool = True, kick: bool | None = None) -> "PlacedBlobWriter":
+        return PlacedBlobWriter(self, sync=sync, kick=kick)
 
     def put_bytes(self, data: bytes, expected_digest: str | None = None, *, sync: bool = False) -> str:
         with self.writer(sync=sync) as w:

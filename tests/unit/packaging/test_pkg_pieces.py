@@ -417,6 +417,37 @@ def test_adjacent_new_pieces_reach_the_pack_writer_as_one_view_each_run(tmp_path
             assert "sha256:" + hashlib.sha256(f.read()).hexdigest() == d["digest"]
 
 
+def test_every_pack_is_made_durable_before_it_becomes_visible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Packs are not fdatasynced one by one as sealed (a flush per 32 MiB held a disk below its
+    # speed); the store's publish syncs them all before any is renamed into blobs/.
+    from gpusnap.packaging import store as store_mod
+
+    events: list[tuple[str, str]] = []
+    real_sync, real_replace = store_mod.OciStore._fdatasync_path, store_mod.os.replace
+
+    def sync(self: object, path: Path) -> None:
+        events.append(("sync", path.name.split(".", 1)[0]))
+        real_sync(self, path)  # type: ignore[arg-type]
+
+    def replace(a: object, b: object) -> None:
+        if Path(str(b)).parent.name == "sha256":
+            events.append(("visible", Path(str(b)).name))
+        real_replace(a, b)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store_mod.OciStore, "_fdatasync_path", sync)
+    monkeypatch.setattr(store_mod.os, "replace", replace)
+    monkeypatch.setattr(store_mod, "_syncfs", lambda path: pytest.fail("a checkpoint's few packs take no syncfs"))
+    src = _checkpoint(tmp_path / "a", [(0x10000000, _rand(40 << 20, 95))])
+    stored = api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/d")
+    store = OciStore(tmp_path / "s")
+    packs = [d["digest"].split(":")[1] for d in store.manifest(stored.digest)["layers"] if d["mediaType"] == lay.MEDIA_PACK]
+    assert len(packs) >= 2
+    for hex_ in packs:
+        synced = events.index(("sync", hex_))
+        assert synced < events.index(("visible", hex_))
+        assert all(e[0] == "sync" for e in events[:synced])  # nothing visible before every sync of the publish
+
+
 @pytest.mark.parametrize("fail_at", [1, 5])
 def test_a_failure_while_packs_are_written_leaves_no_blob_and_nothing_in_ingest(tmp_path: Path, fail_at: int) -> None:
     # Small packs: when the failure comes, other packs are being written, hashed and flushed on

@@ -135,7 +135,8 @@ def test_descriptor_size_must_be_a_non_negative_integer(size: object) -> None:
 
 def test_synced_blobs_are_published_without_syncfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """writer(sync=True) fdatasyncs each blob itself; publish then only renames. A few unsynced
-    blobs are fdatasynced one by one at publish; more than SYNC_EACH_MAX take one syncfs."""
+    blobs are fdatasynced one by one at publish, more than SYNC_EACH_MAX on threads, more than
+    SYNC_PARALLEL_MAX with one syncfs."""
     import gpusnap.packaging.store as store_mod
 
     calls = {"syncfs": 0, "fdatasync": 0}
@@ -159,8 +160,14 @@ def test_synced_blobs_are_published_without_syncfs(tmp_path: Path, monkeypatch: 
     s.put_bytes(b"synced three", sync=True)
     s.publish()
     assert calls == {"syncfs": 0, "fdatasync": 4}  # the unsynced one at publish
-    for i in range(store_mod.SYNC_EACH_MAX + 1):
+    for i in range(store_mod.SYNC_EACH_MAX + 1):  # more: fdatasynced on threads
         s.put_bytes(b"many %d" % i, sync=False)
+    s.publish()
+    assert calls == {"syncfs": 0, "fdatasync": 4 + store_mod.SYNC_EACH_MAX + 1}
+    calls["fdatasync"] = 4
+    monkeypatch.setattr(store_mod, "SYNC_PARALLEL_MAX", store_mod.SYNC_EACH_MAX + 4)
+    for i in range(store_mod.SYNC_EACH_MAX + 5):  # more still: one syncfs
+        s.put_bytes(b"more %d" % i, sync=False)
     s.publish()
     assert calls == {"syncfs": 1, "fdatasync": 4}
     s.put_bytes(b"after a discard", sync=False)
