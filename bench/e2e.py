@@ -1338,6 +1338,13 @@ def main() -> int:
     ap.add_argument("--floor", help=argparse.SUPPRESS)
     ap.add_argument("--floor-args", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.store_variants:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from store_scale import VARIANTS, known_variant
+
+        bad = [v for v in args.store_variants.split(",") if v != "as-is" and not known_variant(v)]
+        if bad:
+            ap.error(f"--store-variants: unknown variant {bad[0]!r}; one of as-is, {', '.join(v for v in VARIANTS if v)}")
     if args.floor:
         kw = json.loads(args.floor_args or "{}")
         fn = {"memcpy": floor_memcpy, "sha256": floor_sha256, "disk": floor_disk, "http": floor_http, "python": floor_python}[args.floor]

@@ -88,16 +88,19 @@ def hwm() -> int:
 
 VARIANTS = {
     "": "as shipped",
-    "no-kick": "no sync_file_range after each write (the kernel writes back on its own until each pack's fdatasync)",
-    "pack128": "packs of 128 MiB instead of 32 MiB (a quarter of the fdatasyncs)",
+    "no-kick": "no sync_file_range after each write (the kernel writes back on its own until the packs' fdatasync)",
+    "packN": "packs of N MiB (e.g. pack64, pack128) instead of 32 MiB",
     "per-piece": "each new piece handed to its lane as its own view (hashed in its own call), as before the "
                  "fourteenth session, instead of one view per run of adjacent pieces",
     "pack-sync": "each pack fdatasynced as it is sealed (before the fourteenth session) instead of all at the "
                  "store's publish",
     "sync-at-end": "packs made durable at the store's publish with one syncfs (instead of fdatasyncs on 16 threads)",
-    "pack64": "packs of 64 MiB instead of 32 MiB",
     "lanesN": "N packs filled at once (e.g. lanes4, lanes8) instead of pack.LANES (the packs differ; the pieces do not)",
 }
+
+
+def known_variant(v: str) -> bool:
+    return v in VARIANTS or any(v.startswith(k[:-1]) and v[len(k) - 1:].isdigit() for k in VARIANTS if k.endswith("N"))
 
 
 def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "", switch: float = 0.0,
@@ -113,15 +116,15 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
         from gpusnap.packaging import store as store_mod
 
         store_mod._sync_file_range = None
-    elif variant == "pack128":
+    elif variant.startswith("pack") and variant[4:].isdigit():
         from gpusnap.packaging import pack
 
         # The store makes its parameters with PackParams(): a subclass whose default differs.
         @dataclasses.dataclass(frozen=True)
-        class Pack128(pack.PackParams):
-            pack_target: int = 128 << 20
+        class PackN(pack.PackParams):
+            pack_target: int = int(variant[4:]) << 20
 
-        pack.PackParams = Pack128  # type: ignore[misc]
+        pack.PackParams = PackN  # type: ignore[misc]
     elif variant == "pack-sync":
         from gpusnap.packaging import store as store_mod
 
@@ -131,14 +134,6 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
         from gpusnap.packaging import store as store_mod
 
         store_mod.SYNC_PARALLEL_MAX = 0  # type: ignore[misc]
-    elif variant == "pack64":
-        from gpusnap.packaging import pack
-
-        @dataclasses.dataclass(frozen=True)
-        class Pack64(pack.PackParams):
-            pack_target: int = 64 << 20
-
-        pack.PackParams = Pack64  # type: ignore[misc]
     elif variant == "per-piece":
         from gpusnap.packaging import pack
 
@@ -290,6 +285,9 @@ def main() -> int:
     if a.child:
         child(a.src, a.store, a.ref, counts[0] or None, a.push, a.switch_interval, a.variant)
         return 0
+    bad = [v for v in a.variant.split(",") if a.variant and v != "as-is" and not known_variant(v)]
+    if bad:
+        raise SystemExit(f"store_scale: unknown variant {bad[0]!r}; one of as-is, {', '.join(v for v in VARIANTS if v)}")
     size = int(a.gib * GIB) // PAGE * PAGE
     t0 = time.perf_counter()
     make_source(a.src, size)
