@@ -29,7 +29,7 @@ from gpusnap.config import Settings
 from gpusnap.criu.config import TCP_ESTABLISHED_ANNOTATION
 from gpusnap.criu.locate import CriuInfo, find_criu
 from gpusnap.criu.logs import first_error
-from gpusnap.errors import ExitCode, GpusnapError, RestoreError, UsageError
+from gpusnap.errors import ExitCode, GpusnapError, RestoreError
 from gpusnap.gpu.base import ContainerRef, GpuPlan
 from gpusnap.gpu.devnodes import retarget_step
 from gpusnap.gpu.plan import make_gpu_plan

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpusnap.config import Settings
-from gpusnap.criu.config import AMD_RELAXED_ANNOTATION, CRIU_ENV_ANNOTATION, CRIU_PLUGIN_DIRS, EXTRA_OPTIONS_ANNOTATION, check_criu_env
+from gpusnap.criu.config import AMD_RELAXED_ANNOTATION, CRIU_ENV_ANNOTATION, EXTRA_OPTIONS_ANNOTATION, check_criu_env
 from gpusnap.criu.config import find_criu_plugin_dir as _find_plugin_dir
 from gpusnap.errors import IncompatibleHostError, MissingDependencyError, UsageError
 from gpusnap.gpu.discovery import DeviceNode, DriverFile, Inventory, discover

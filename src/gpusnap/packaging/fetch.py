@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,7 +59,6 @@ from gpusnap.packaging import layout as lay
 from gpusnap.packaging.transfer_procs import Aborted as _Aborted
 from gpusnap.packaging.progress import NullProgress, Progress
 from gpusnap.packaging.registry import (
-    RECV_SIZE,
     RegistryClient,
     RemoteRef,
     check_manifest_shape,
