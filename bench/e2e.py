@@ -989,8 +989,10 @@ DUMP_BESIDE: dict[str, tuple[str | None, dict[str, str], str]] = {
     # the first run's (thirteenth session), when the default was a thread per core
     "disk": (None, {}, "stored beside the dump, a thread per core, store on the disk"),
     "workers4": (None, {"GPUSNAP_STORE_WORKERS": "4"}, "stored beside the dump by 4 threads, store on the disk"),
+    "workers2": (None, {"GPUSNAP_STORE_WORKERS": "2"}, "stored beside the dump by 2 threads (the rest beside the GPU restore)"),
 }
-# The conditions a run compares (all of DUMP_BESIDE can be read back by --report).
+# The conditions a run compares by default (--ab-dump-beside A,B,... picks others; all of
+# DUMP_BESIDE can be read back by --report).
 DUMP_BESIDE_RUN = ("default", "after", "cores")
 DUMP_TIMINGS = ("checkpoint: runtime: runc checkpoint", "checkpoint: runtime: gpu_checkpoint", "checkpoint: runtime: gpu_restore",
                 "checkpoint", "store the checkpoint", "push the checkpoint")
@@ -1001,7 +1003,7 @@ def ab_dump_beside(env: Env, name: str, remote: str, cost: float) -> list[dict[s
     condition in turn, twice, each into an empty store and a repository of its own: which of
     the work beside CRIU (disk writes, threads, or nothing) costs the dump its time."""
     rounds: list[dict[str, Any]] = []
-    for i, cond in enumerate([*DUMP_BESIDE_RUN] * 2):
+    for i, cond in enumerate([*env.args.ab_dump_beside.split(",")] * 2):
         if env.left() < cost:
             break
         where, extra, _ = DUMP_BESIDE[cond]
@@ -1324,9 +1326,10 @@ def main() -> int:
                     help="also checkpoint --push the running workload with its uploads at nice 10 and 19 in turn, the store at 10 (GPUSNAP_PUSH_NICE)")
     ap.add_argument("--ab-push-processes", action="store_true",
                     help="also checkpoint --push the running workload with its uploads on the storing process's threads and in 2 transfer processes in turn (GPUSNAP_PUSH_PROCESSES)")
-    ap.add_argument("--ab-dump-beside", action="store_true",
-                    help="also checkpoint --push the running workload twice under each of: stored beside the dump (default "
-                         "threads), after the dump, beside it with a thread per core (what the store beside it costs CRIU's dump)")
+    ap.add_argument("--ab-dump-beside", nargs="?", const=",".join(DUMP_BESIDE_RUN), default="", metavar="CONDITIONS",
+                    help="also checkpoint --push the running workload twice under each condition, interleaved (what the "
+                         "store beside it costs CRIU's dump); default " + ",".join(DUMP_BESIDE_RUN) + "; any of " + ", ".join(
+                             f"{k} ({v[2]})" for k, v in DUMP_BESIDE.items()))
     ap.add_argument("--store-variants", default="",
                     help="a comma list of bench/store_scale.py variants ('as-is' = as shipped): the by-hand CRIU image stored "
                          "into an empty store once per entry, in that order, after the by-hand rounds")
@@ -1338,6 +1341,9 @@ def main() -> int:
     ap.add_argument("--floor", help=argparse.SUPPRESS)
     ap.add_argument("--floor-args", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    bad = [c for c in args.ab_dump_beside.split(",") if args.ab_dump_beside and c not in DUMP_BESIDE]
+    if bad:
+        ap.error(f"--ab-dump-beside: unknown condition {bad[0]!r}; one of {', '.join(DUMP_BESIDE)}")
     if args.store_variants:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from store_scale import VARIANTS, known_variant
