@@ -678,15 +678,15 @@ def store_variants(env: Env, w: Workload, images: Path, r: dict[str, Any]) -> No
     an empty store on the stores' disk once per variant of bench/store_scale.py, in the given
     order: an A/B of the store's own code on this host's real image."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from store_scale import disk_of, run_store
+    from store_scale import disk_of, parse_variants, run_store
 
     store, size, rows = env.work / "store-variants", tree_bytes(images), []
     dev = disk_of(env.work)
-    for v in env.args.store_variants.split(","):
+    for v in parse_variants(env.args.store_variants):
         shutil.rmtree(store, ignore_errors=True)
-        row = {"variant": v, **run_store(images, store, "variant:1", size, None, variant="" if v == "as-is" else v, disk=dev)}
+        row = {"variant": v or "as-is", **run_store(images, store, "variant:1", size, None, variant=v, disk=dev)}
         rows.append(row)
-        say(f"{w.name}: store of the by-hand image ({gb(size):.2f} GB), variant {v}: {json.dumps(row)}")
+        say(f"{w.name}: store of the by-hand image ({gb(size):.2f} GB), variant {row['variant']}: {json.dumps(row)}")
     shutil.rmtree(store, ignore_errors=True)
     r["store_variants"] = rows
 
@@ -1346,11 +1346,12 @@ def main() -> int:
         ap.error(f"--ab-dump-beside: unknown condition {bad[0]!r}; one of {', '.join(DUMP_BESIDE)}")
     if args.store_variants:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from store_scale import VARIANTS, known_variant
+        from store_scale import parse_variants
 
-        bad = [v for v in args.store_variants.split(",") if v != "as-is" and not known_variant(v)]
-        if bad:
-            ap.error(f"--store-variants: unknown variant {bad[0]!r}; one of as-is, {', '.join(v for v in VARIANTS if v)}")
+        try:
+            parse_variants(args.store_variants)
+        except ValueError as exc:
+            ap.error(f"--store-variants: {exc}")
     if args.floor:
         kw = json.loads(args.floor_args or "{}")
         fn = {"memcpy": floor_memcpy, "sha256": floor_sha256, "disk": floor_disk, "http": floor_http, "python": floor_python}[args.floor]

@@ -99,8 +99,16 @@ VARIANTS = {
 }
 
 
-def known_variant(v: str) -> bool:
-    return v in VARIANTS or any(v.startswith(k[:-1]) and v[len(k) - 1:].isdigit() for k in VARIANTS if k.endswith("N"))
+def parse_variants(text: str) -> list[str]:
+    """A comma list of variants as the child takes them ('as-is' is ''); ValueError names the
+    first unknown one."""
+    out = []
+    for v in text.split(",") if text else []:
+        v = "" if v == "as-is" else v
+        if v not in VARIANTS and not any(v.startswith(k[:-1]) and v[len(k) - 1:].isdigit() for k in VARIANTS if k.endswith("N")):
+            raise ValueError(f"unknown variant {v!r}; one of as-is, {', '.join(k for k in VARIANTS if k)}")
+        out.append(v)
+    return out
 
 
 def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "", switch: float = 0.0,
@@ -210,7 +218,7 @@ class DiskSampler:
         last = next(t for t, b in self.samples if b >= 0.99 * total)
         best = 0.0  # the fastest 0.5 s
         j = 0
-        for i, (t, b) in enumerate(self.samples):
+        for t, b in self.samples:
             while self.samples[j][0] < t - 0.5:
                 j += 1
             if t - self.samples[j][0] >= 0.45:
@@ -285,9 +293,10 @@ def main() -> int:
     if a.child:
         child(a.src, a.store, a.ref, counts[0] or None, a.push, a.switch_interval, a.variant)
         return 0
-    bad = [v for v in a.variant.split(",") if a.variant and v != "as-is" and not known_variant(v)]
-    if bad:
-        raise SystemExit(f"store_scale: unknown variant {bad[0]!r}; one of as-is, {', '.join(v for v in VARIANTS if v)}")
+    try:
+        variants = parse_variants(a.variant)
+    except ValueError as exc:
+        raise SystemExit(f"store_scale: {exc}") from None
     size = int(a.gib * GIB) // PAGE * PAGE
     t0 = time.perf_counter()
     make_source(a.src, size)
@@ -302,7 +311,7 @@ def main() -> int:
         a.store.parent.mkdir(parents=True, exist_ok=True)
         print(f"disk floor ({a.store.parent}): {json.dumps(floor_disk(size, str(a.store.parent)))}", flush=True)
     try:
-        for v in [x if x != "as-is" else "" for x in a.variant.split(",")] if a.variant else []:
+        for v in variants:
             row = run_store(a.src, a.store, "scale:1", size, workers, variant=v, disk=a.disk, switch=a.switch_interval)
             print(f"first store, variant {v or 'as-is'}: {json.dumps(row)}", flush=True)
             shutil.rmtree(a.store, ignore_errors=True)
