@@ -137,7 +137,7 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
         from gpusnap.packaging import store as store_mod
 
         real = store_mod.OciStore.placed_writer
-        store_mod.OciStore.placed_writer = lambda self, sync=True, kick=None: real(self, sync=True)  # type: ignore[method-assign]
+        store_mod.OciStore.placed_writer = lambda self, sync=False, kick=True: real(self, sync=True)  # type: ignore[method-assign]
     elif variant == "sync-at-end":
         from gpusnap.packaging import store as store_mod
 

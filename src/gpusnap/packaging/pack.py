@@ -665,7 +665,7 @@ class PackWriter:
     def _new_pack(self) -> _Pack:
         # Not fdatasynced as sealed: the store's publish makes all packs durable together (see
         # OciStore._make_durable); their writeback starts as each piece is written.
-        pack = _Pack(self.store.placed_writer(sync=False, kick=True), len(self.packs))
+        pack = _Pack(self.store.placed_writer(), len(self.packs))
         self.packs.append(pack)
         self.all_new.append(pack)
         return pack

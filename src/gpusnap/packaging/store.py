@@ -268,14 +268,16 @@ class PlacedBlobWriter:
     Writes that arrive in order (each at the end of the previous one: one thread per pack) are
     hashed as they are written, from the caller's buffers; if any arrived out of order, the file
     is read back and hashed at :meth:`commit` instead (a memcpy from the page cache more).
+    ``kick``: start writeback as each write lands (see _start_writeback). ``sync``: fdatasync at
+    commit; without it the blob is made durable at :meth:`OciStore.publish` with the others.
     """
 
     HASH_CHUNK = 1 << 20
 
-    def __init__(self, store: "OciStore", *, sync: bool = True, kick: bool | None = None) -> None:
+    def __init__(self, store: "OciStore", *, sync: bool = False, kick: bool = True) -> None:
         self._store = store
         self._sync = sync
-        self._kick = sync if kick is None else kick  # start writeback as written (see _start_writeback)
+        self._kick = kick
         self.fd, name = tempfile.mkstemp(dir=store.ingest_dir, prefix="pack-")
         self._path = Path(name)
         self._done = False
@@ -488,7 +490,7 @@ class OciStore:
     def writer(self, *, sync: bool = False, buffered: bool = True) -> BlobWriter:
         return BlobWriter(self, sync=sync, buffered=buffered)
 
-    def placed_writer(self, *, sync: bool = True, kick: bool | None = None) -> "PlacedBlobWriter":
+    def placed_writer(self, *, sync: bool = False, kick: bool = True) -> "PlacedBlobWriter":
         return PlacedBlobWriter(self, sync=sync, kick=kick)
 
     def put_bytes(self, data: bytes, expected_digest: str | None = None, *, sync: bool = False) -> str:
