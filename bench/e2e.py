@@ -1178,7 +1178,7 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                     # The target counts the image's bytes; the disk takes only what is new and not zero.
                     row(f"    its writes: {gb(wrote):.2f} GB into the store", st0, f"{gb(wrote) / st0 / disk:.2f}x disk write", rate_bytes=wrote)
         for v in w.get("store_variants", []):  # --store-variants: the by-hand image, bench/store_scale.py's child
-            rows.append((f"  store of the by-hand image, variant {v['variant']} ({v['new_gb']:.2f} GB new, disk took it at "
+            rows.append((f"  store of the by-hand image, variant {v['variant']} ({v['new_gb']:.2f} GB new, {v.get('store_gb', 0):.2f} GB in the store, disk took it at "
                          f"{v.get('disk_gbps_between', 0):.2f} GB/s)", f"{v['store_s']:.2f}", f"{v['gb_s']:.2f}", "", ""))
         def stage_rows(timings: dict[str, float], first_step: float, cmd: float) -> None:
             """The command's own stage timings (orchestrate.restore), then what follows its restore

@@ -80,6 +80,7 @@ class PackParams:
     cdc_max: int = 4 << 20
     window: int = 4 << 20  # read granularity
     compress_min_saving: float = 0.1  # keep a zstd frame only if it saves this fraction
+    compress_level: int = 3
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -92,7 +93,7 @@ class PackParams:
                                          "zeroMinPages": self.zero_min_pages}},
             "other": {"algorithm": "fastcdc-2020", "avgSize": self.cdc_avg, "minSize": self.cdc_min, "maxSize": self.cdc_max},
             "packTarget": self.pack_target, "digest": "sha256(raw piece)",
-            "compression": {"algorithm": "zstd", "level": 3, "minSaving": self.compress_min_saving},
+            "compression": {"algorithm": "zstd", "level": self.compress_level, "minSaving": self.compress_min_saving},
         }
 
 
@@ -598,7 +599,7 @@ class PackWriter:
         return pieces
 
     def _hash(self, pieces: list[_Piece]) -> list[_Piece]:
-        zc = zstandard.ZstdCompressor(level=3) if self.compress else None
+        zc = zstandard.ZstdCompressor(level=self.p.compress_level) if self.compress else None
         misses = 0
         for pc in pieces:
             if pc.zero:
