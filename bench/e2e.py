@@ -673,22 +673,23 @@ def first_step_after(env: Env, name: str, store: Path, since: float, timeout: fl
     return wait_until(probe, timeout, f"{name} to print a step after {since:.3f}", interval=0.3)
 
 
-def store_variants(env: Env, w: Workload, images: Path, r: dict[str, Any]) -> None:
-    """The by-hand dump's CRIU images (the real workload's, nothing else running) stored into
-    an empty store on the stores' disk once per variant of bench/store_scale.py, in the given
-    order: an A/B of the store's own code on this host's real image."""
+def store_variants(env: Env, w: Workload, images: Path, r: dict[str, Any], variants: str, key: str = "store_variants") -> None:
+    """The by-hand dump's CRIU images (the real workload's) stored into an empty store on the
+    stores' disk once per variant of bench/store_scale.py, in the given order: an A/B of the
+    store's own code on this host's real image (``key`` says when: nothing else running, or
+    beside gpusnap's running workload right after its store-only checkpoint)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from store_scale import disk_of, parse_variants, run_store
 
     store, size, rows = env.work / "store-variants", tree_bytes(images), []
     dev = disk_of(env.work)
-    for v in parse_variants(env.args.store_variants):
+    for v in parse_variants(variants):
         shutil.rmtree(store, ignore_errors=True)
         row = {"variant": v or "as-is", **run_store(images, store, "variant:1", size, None, variant=v, disk=dev)}
         rows.append(row)
         say(f"{w.name}: store of the by-hand image ({gb(size):.2f} GB), variant {row['variant']}: {json.dumps(row)}")
     shutil.rmtree(store, ignore_errors=True)
-    r["store_variants"] = rows
+    r[key] = rows
 
 
 def run_workload(env: Env, w: Workload) -> dict[str, Any]:
@@ -768,8 +769,9 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
     finally:
         bare.cleanup()
         if env.args.store_variants and images.is_dir():
-            store_variants(env, w, images, r)
-        shutil.rmtree(images, ignore_errors=True)
+            store_variants(env, w, images, r, env.args.store_variants)
+        if not (env.args.store_variants_beside and w.store_only):
+            shutil.rmtree(images, ignore_errors=True)
     argv = w.argv
     if "bare_error" in r and stage in ("checkpoint", "restore", "output after restore") and "cudagraphs=on" in r.get("ready_line", "") and "--compile" in argv:
         # CUDA graphs did not come back from the driver's checkpoint: measure gpusnap's paths
@@ -803,14 +805,25 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
             need(env, 30 + 8 * gb(r["image_bytes"]) * 2, "the store-only checkpoint (and the pushed ones)")
             store_a = work / "store-a"
             say(f"{w.name}: gpusnap checkpoint --leave-running (store only, empty store)")
-            c0 = measure([*profiler(env, f"checkpoint-store-after-dump-{w.name}"), *env.gpusnap, "checkpoint", name, "--leave-running", "--json"],
-                         env={**env.cli_env(store_a), "GPUSNAP_STORE_WHILE_DUMPING": "0"})
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from store_scale import DiskSampler, disk_of
+
+            with DiskSampler(disk_of(env.work)) as disk0:  # when the disk took the store's writes, and how fast
+                c0 = measure([*profiler(env, f"checkpoint-store-after-dump-{w.name}"), *env.gpusnap, "checkpoint", name, "--leave-running", "--json"],
+                             env={**env.cli_env(store_a), "GPUSNAP_STORE_WHILE_DUMPING": "0"})
             r["rss"].append(rss_row("checkpoint (store only)", c0))
             c0.check()
             j0 = c0.json()
-            r["ck0"] = {"seconds": c0.seconds, "timings_s": j0.get("timings_s", {}), "size": j0.get("size"), "store_bytes": tree_bytes(store_a)}
-            say(f"{w.name}: checkpoint (store only) {c0.seconds:.2f} s {j0.get('timings_s')}")
+            r["ck0"] = {"seconds": c0.seconds, "timings_s": j0.get("timings_s", {}), "size": j0.get("size"), "store_bytes": tree_bytes(store_a),
+                        "disk": disk0.summary()}
+            say(f"{w.name}: checkpoint (store only) {c0.seconds:.2f} s {j0.get('timings_s')}; disk {r['ck0']['disk']}")
             shutil.rmtree(store_a, ignore_errors=True)
+            if env.args.store_variants_beside and images.is_dir():
+                # The same by-hand image as before, stored now, the workload running again after
+                # gpusnap's checkpoint: whether the store above is slower than the variants
+                # before it because of its process or because of what runs beside it now.
+                store_variants(env, w, images, r, env.args.store_variants_beside, "store_variants_beside")
+            shutil.rmtree(images, ignore_errors=True)
             # The same, stored while CRIU writes (the default): what a checkpoint without
             # --push costs end to end, and how much the dump slows with a store beside it.
             say(f"{w.name}: gpusnap checkpoint --leave-running (store only, while CRIU writes, empty store)")
@@ -1177,8 +1190,13 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 if wrote and disk:
                     # The target counts the image's bytes; the disk takes only what is new and not zero.
                     row(f"    its writes: {gb(wrote):.2f} GB into the store", st0, f"{gb(wrote) / st0 / disk:.2f}x disk write", rate_bytes=wrote)
-        for v in w.get("store_variants", []):  # --store-variants: the by-hand image, bench/store_scale.py's child
-            rows.append((f"  store of the by-hand image, variant {v['variant']} ({v['new_gb']:.2f} GB new, {v.get('store_gb', 0):.2f} GB in the store, disk took it at "
+        d0 = (ck0 or {}).get("disk", {})
+        if d0.get("disk_gb"):
+            rows.append((f"    the disk took {d0['disk_gb']:.2f} GB, from {d0['disk_first_s']:.2f} s to {d0['disk_last_s']:.2f} s of the command, at",
+                         "", f"{d0['disk_gbps_between']:.2f}", f"best 0.5 s: {d0.get('disk_gbps_best_0.5s', 0):.2f} GB/s", ""))
+        for when, v in [*(("", v) for v in w.get("store_variants", [])),
+                        *((", the workload running", v) for v in w.get("store_variants_beside", []))]:
+            rows.append((f"  store of the by-hand image{when}, variant {v['variant']} ({v['new_gb']:.2f} GB new, {v.get('store_gb', 0):.2f} GB in the store, disk took it at "
                          f"{v.get('disk_gbps_between', 0):.2f} GB/s)", f"{v['store_s']:.2f}", f"{v['gb_s']:.2f}", "", ""))
         def stage_rows(timings: dict[str, float], first_step: float, cmd: float) -> None:
             """The command's own stage timings (orchestrate.restore), then what follows its restore
@@ -1333,6 +1351,8 @@ def main() -> int:
     ap.add_argument("--store-variants", default="",
                     help="a comma list of bench/store_scale.py variants ('as-is' = as shipped): the by-hand CRIU image stored "
                          "into an empty store once per entry, in that order, after the by-hand rounds")
+    ap.add_argument("--store-variants-beside", default="",
+                    help="the same, again right after the store-only checkpoint, gpusnap's workload running (the by-hand image is kept till then)")
     ap.add_argument("--skip-ckdiff", action="store_true", help="no ckdiff between the two checkpoints (its diagnosis is in earlier runs; saves ~30 s on the GPU host)")
     ap.add_argument("--py-spy", help="py-spy binary: record the CLI timelines of the checkpoint stored after the dump and of both "
                     "restores (a diagnosis: they run slower so)")
@@ -1344,14 +1364,15 @@ def main() -> int:
     bad = [c for c in args.ab_dump_beside.split(",") if args.ab_dump_beside and c not in DUMP_BESIDE]
     if bad:
         ap.error(f"--ab-dump-beside: unknown condition {bad[0]!r}; one of {', '.join(DUMP_BESIDE)}")
-    if args.store_variants:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from store_scale import parse_variants
+    for opt, text in (("--store-variants", args.store_variants), ("--store-variants-beside", args.store_variants_beside)):
+        if text:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from store_scale import parse_variants
 
-        try:
-            parse_variants(args.store_variants)
-        except ValueError as exc:
-            ap.error(f"--store-variants: {exc}")
+            try:
+                parse_variants(text)
+            except ValueError as exc:
+                ap.error(f"{opt}: {exc}")
     if args.floor:
         kw = json.loads(args.floor_args or "{}")
         fn = {"memcpy": floor_memcpy, "sha256": floor_sha256, "disk": floor_disk, "http": floor_http, "python": floor_python}[args.floor]
