@@ -151,8 +151,8 @@ def follow_checkpoint(store_dir: Path, directory: Path, *, compress: bool = Fals
     dumped; it may not exist yet) while the dump runs. Pass it to :func:`store_checkpoint` once
     the dump succeeded, or call its ``abort()`` and ``close()`` if it failed. See
     gpusnap.packaging.follow. ``nice``: its threads' nice value, so that they give the cores to
-    the dump (gpusnap.host.priority). ``workers``: its threads (default: a quarter of the cores,
-    at least 4: follow.beside_dump_workers)."""
+    the dump (gpusnap.host.priority). ``workers``: its threads (default: 2 while CRIU dumps,
+    follow.beside_dump_workers, then one per core for what is left)."""
     from gpusnap.packaging.follow import DumpFollower
 
     store = OciStore(Path(store_dir))

@@ -59,21 +59,22 @@ from gpusnap.criu.images import DUMP_STATS, ImageFormatError
 from gpusnap.host.cores import usable_cores
 from gpusnap.packaging.store import OciStore
 
-# Threads of a follower's pack writer when the caller names no count: a quarter of the cores, at
-# least BESIDE_DUMP_MIN. Beside the dump the store only has to keep up with CRIU (1.5-2 GB/s;
-# four threads store 2.3-2.6 GB/s on the 16-core H100 host), and every thread more costs the
-# dump: on two H100 hosts CRIU's dump of a 5.2 GB server took 3.29-4.68 s (median 3.54) with
-# the store on all 16 cores beside it, 3.09-3.79 s (median 3.18) with 4 threads, 2.58-3.04 s
-# with nothing beside it; on the first, the pages left when the dump ended were added in
-# 0.26-0.34 s with 4 threads against 0.53-0.92 s with 16 (their interpreter lock shared)
-# (bench/results/gpu-h100-e2e-2026-11-27-thirteenth-server, A/B "dump beside").
-BESIDE_DUMP_MIN = 4
+# Threads that read and hash for a follower's pack writer while CRIU dumps, when the caller names
+# no count; once the dump has ended, what is left gets all the cores (PackWriter.widen). Beside
+# the dump the store only has to keep up with one CRIU writer (1.5-2 GB/s, whatever the host's
+# cores), and every thread more costs the dump. On H100 hosts, CRIU's dump of the 5.2 GB server
+# took 3.29-4.68 s (median 3.54) with the store on all 16 cores beside it, 3.09-3.79 s (median
+# 3.18) with 4 threads, 2.58-3.04 s with nothing beside it (bench/results/
+# gpu-h100-e2e-2026-11-27-thirteenth-server); `checkpoint --push` end to end took 7.56-9.91 s with
+# 2 threads against 7.47-10.62 s with 4, interleaved on two hosts (2 ahead in three pairs of
+# four, by 0.36-1.1 s; behind by 0.13 s in one), and with 2 the dump still left only 0.06-0.10 s
+# of storing after it (bench/results/gpu-h100-e2e-2026-11-27-fifteenth).
+BESIDE_DUMP = 2
 
 
 def beside_dump_workers(cores: int | None = None) -> int:
-    """The follower's default thread count on a host of ``cores`` cores."""
-    cores = cores or usable_cores()
-    return min(cores, max(BESIDE_DUMP_MIN, cores // 4))
+    """The follower's default thread count while the dump runs, on a host of ``cores`` cores."""
+    return min(cores or usable_cores(), BESIDE_DUMP)
 
 # numpy and the pack writer are imported where they are first used, on the follower's thread:
 # the follower starts right before the dump, and the dump should not wait for those imports.
@@ -154,6 +155,8 @@ class DumpFollower:
         self.store, self.dir = store, Path(directory)
         self.compress, self.parent, self.on_blob = compress, parent, on_blob
         self.workers = workers or beside_dump_workers()
+        # Threads for what is left once the dump has ended: the caller's count, or every core.
+        self.workers_after = workers or usable_cores()
         self.params = params  # pack.PackParams; None: the defaults, which build_artifact uses too
         self.poll_s = poll_s
         self.nice = nice  # of this follower's thread and its writer's pools (gpusnap.host.priority)
@@ -234,11 +237,12 @@ class DumpFollower:
         """Every pages file is whole (the dump ended): add what is left of each and check them."""
         t0 = time.perf_counter()
         self._finishing = True
+        assert self.writer is not None
+        self.writer.widen(self.workers_after)  # nothing left to slow down: the dump is over
         self._step(final=True)
         for t in self._ordered():
             if t.done:
                 self._recheck(t)
-        assert self.writer is not None
         self.writer.seal_open()  # the last pages' packs: committed (and uploaded) now
         self.dump_over = True
         self.after_dump[AFTER_DUMP[0]] = round(time.perf_counter() - t0, 3)

@@ -538,19 +538,21 @@ class PackWriter:
         self.workers = max(1, workers or usable_cores())
         # ``nice``: the threads' nice value (gpusnap.host.priority), raised where the pack runs
         # beside a dump.
+        self.nice = nice
         self.pool = yielding_pool(self.workers, "gpusnap-pack", nice)
+        self._retired: list[Any] = []  # pools replaced by widen(): shut down with the others
         self.lanes = [yielding_pool(1, f"gpusnap-pack-lane{i}", nice) for i in range(LANES)]
         self.sealers = yielding_pool(self.workers, "gpusnap-pack-seal", nice)
         self.depth = self.workers + 2
         self.max_sealing = 2 * self.workers + 2  # packs hashed/flushed at once before the reads wait
         self.free: queue.Queue[_Buffer] = queue.LifoQueue()  # reuse warm windows; cold ones never cost memory
-        tail = (params.max_pages + params.zero_min_pages + 1) * PAGE
+        self._window_size = params.window + (params.max_pages + params.zero_min_pages + 1) * PAGE
         # Windows: the reads in flight, plus those whose new pieces are being written (a write
         # is a memcpy into the page cache, so few are; when the disk holds the writes back, the
         # reads wait for them), plus the main thread's.
         self.nbuf = self.depth + max(4, self.workers // 2) + 2
         for _ in range(self.nbuf):
-            self.free.put(_Buffer(params.window + tail, self.free))
+            self.free.put(_Buffer(self._window_size, self.free))
         self.inflight: collections.deque[tuple[_Buffer | None, Future[list[_Piece]]]] = collections.deque()
         self.fresh: dict[bytes, int] = {}  # new pieces: sha → record index in ``table``
         self.table = bytearray()
@@ -567,6 +569,24 @@ class PackWriter:
         self._lock = threading.Lock()
         self._failed: BaseException | None = None
         self._fds: list[int] = []
+
+    def widen(self, workers: int) -> None:
+        """Read and hash on ``workers`` threads from now on (never fewer than before): a
+        follower's writer runs on few threads while CRIU dumps, so as not to slow the dump, and
+        on all the cores for what is left once the dump has ended. Main thread only."""
+        if workers <= self.workers:
+            return
+        # ThreadPoolExecutor cannot grow: a new pool takes the next windows while the old one
+        # finishes those it has (the main thread waits for them in order all the same).
+        self._retired.append(self.pool)
+        self.pool = yielding_pool(workers, "gpusnap-pack", self.nice)
+        self.workers = workers
+        self.depth = workers + 2
+        self.max_sealing = 2 * workers + 2
+        nbuf = self.depth + max(4, workers // 2) + 2
+        for _ in range(nbuf - self.nbuf):
+            self.free.put(_Buffer(self._window_size, self.free))
+        self.nbuf = max(self.nbuf, nbuf)
 
     # -- worker side -------------------------------------------------------------------------
     def _read_and_hash(self, buf: _Buffer, fd: int, fi: int, bounds: np.ndarray) -> list[_Piece]:
@@ -931,7 +951,7 @@ class PackWriter:
     def _shutdown(self, cancel: bool) -> None:
         # reads first (they feed nothing once the main thread stops), then the writes the
         # sealers wait for, then the sealers
-        for pool in (self.pool, *self.lanes, self.sealers):
+        for pool in (*self._retired, self.pool, *self.lanes, self.sealers):
             pool.shutdown(wait=True, cancel_futures=cancel)
         self._close_fds()
 

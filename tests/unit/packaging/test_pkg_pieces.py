@@ -651,3 +651,34 @@ def test_seal_open_commits_the_packs_being_filled_before_the_finish(tmp_path: Pa
     assert len(committed) > before and sum(committed) == len(first) + len(second) == result.new_bytes
     assert len(result.packs) == len(committed)
     store.discard_pending()
+
+
+def test_a_writer_widened_midway_makes_the_same_packs_on_more_threads(tmp_path: Path) -> None:
+    """What a follower does when the dump ends: the rest is read and hashed on more threads
+    (a new pool beside the old one, which finishes its windows); the packs do not change, and
+    the old pool is shut down with the rest."""
+    import io
+
+    from gpusnap.packaging.pack import PackWriter
+
+    first, second = _rand(6 << 20, 91), _rand(7 << 20, 92)
+    params = PackParams(window=64 * PAGE, pack_target=256 * PAGE)
+    packs = []
+    for widen in (False, True):
+        store = OciStore(tmp_path / f"s{widen}")
+        with store.writing():
+            writer = PackWriter(store, compress=False, params=params, workers=1 if widen else 4)
+            writer.add_cdc(0, io.BytesIO(first), len(first))
+            if widen:
+                old = writer.pool
+                writer.widen(4)
+                writer.widen(2)  # never fewer
+                assert writer.workers == 4 and writer.pool is not old and writer.pool._max_workers == 4
+                assert writer.nbuf == 4 + 2 + 4 + 2
+            writer.add_cdc(1, io.BytesIO(second), len(second))
+            result = writer.finish()
+            packs.append([d.digest for d in result.packs])
+            store.discard_pending()
+        if widen:
+            assert old._shutdown  # type: ignore[attr-defined]
+    assert packs[0] == packs[1] and len(packs[0]) > 4
