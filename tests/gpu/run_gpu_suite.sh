@@ -9,7 +9,8 @@
 #   .gpu-tools/  CRIU 4.x + runc (built elsewhere by gpu-probe/make-tools.sh, or tests/gpu/stage.sh)
 #   .whl/        wheels of gpusnap itself and of the Python packages the machine lacks
 # (tests/gpu/stage.sh DEST builds both). Logs and JSON land in $OUT (default /tmp/gs-gpu-out).
-# GS_GPU_TESTS narrows the pytest part (default tests/gpu); GS_GPU_BENCH_SIZES the benchmark
+# GS_GPU_TESTS narrows the pytest part (default tests/gpu; split into words), GS_GPU_K picks tests
+# by a pytest -k expression (passed whole: "a or b" works); GS_GPU_BENCH_SIZES the benchmark
 # (default 1,8 GiB; add 32 for the big run, about 3 more minutes). GS_GPU_BUDGET (seconds, default
 # 540, 0 = none) bounds the whole run: the benchmark skips sizes that would overrun it, so one
 # run fits a 10-minute slot on the GPU machine. On a host with 2 GPUs the suite adds a two-GPU
@@ -82,7 +83,9 @@ SUITE=0 BENCH=0 E2E=0
 DEADLINE=0
 [ "$BUDGET" -gt 0 ] && DEADLINE=$((START + BUDGET))
 if [ "${GS_GPU_E2E_ONLY:-0}" != 1 ]; then
-  python3 -m pytest -p no:cacheprovider -v -rfEs --timeout=400 --junitxml="$OUT/junit.xml" ${GS_GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/suite.log"
+  KEXPR=()
+  [ -n "${GS_GPU_K:-}" ] && KEXPR=(-k "$GS_GPU_K")
+  python3 -m pytest -p no:cacheprovider -v -rfEs --timeout=400 --junitxml="$OUT/junit.xml" "${KEXPR[@]}" ${GS_GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/suite.log"
   SUITE=${PIPESTATUS[0]}
   python3 bench/gpu_checkpoint.py --sizes "${GS_GPU_BENCH_SIZES:-1,8}" --json "$OUT/bench.json" --deadline "$DEADLINE" 2>&1 | tee "$OUT/bench.log"
   BENCH=${PIPESTATUS[0]}
