@@ -65,10 +65,10 @@ from gpusnap.packaging.store import OciStore
 # cores), and every thread more costs the dump. On H100 hosts, CRIU's dump of the 5.2 GB server
 # took 3.29-4.68 s (median 3.54) with the store on all 16 cores beside it, 3.09-3.79 s (median
 # 3.18) with 4 threads, 2.58-3.04 s with nothing beside it (bench/results/
-# gpu-h100-e2e-2026-11-27-thirteenth-server); `checkpoint --push` end to end took 7.56-9.91 s with
-# 2 threads against 7.47-10.62 s with 4, interleaved on two hosts (2 ahead in three pairs of
-# four, by 0.36-1.1 s; behind by 0.13 s in one), and with 2 the dump still left only 0.06-0.10 s
-# of storing after it (bench/results/gpu-h100-e2e-2026-11-27-fifteenth).
+# gpu-h100-e2e-2026-11-27-thirteenth-server); `checkpoint --push` end to end took 6.54-9.91 s with
+# 2 threads against 6.62-10.62 s with 4, interleaved on three hosts (2 ahead by 0.36-1.1 s in
+# three pairs of six, within 0.2 s either way in the others), and with 2 the dump still left
+# only 0.06-0.10 s of storing after it (bench/results/gpu-h100-e2e-2026-11-27-fifteenth).
 BESIDE_DUMP = 2
 
 
