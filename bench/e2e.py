@@ -995,7 +995,8 @@ def ab_checkpoints(env: Env, name: str, remote: str, cost: float, knob: str) -> 
 # What slows CRIU's dump when the store and the uploads run beside it (--ab-dump-beside): each
 # condition's store directory (None: the run's own, on --work's disk) and settings.
 DUMP_BESIDE: dict[str, tuple[str | None, dict[str, str], str]] = {
-    "default": (None, {}, "stored beside the dump (the default: 2 threads while CRIU dumps, then one per core)"),
+    "default": (None, {}, ("stored beside the dump (the default of the gpusnap that ran: since the fifteenth session 2 threads "
+                            "while CRIU dumps, then one per core; before, a quarter of the cores, at least 4)")),
     "after": (None, {"GPUSNAP_STORE_WHILE_DUMPING": "0"}, "stored after the dump, nothing beside it"),
     "cores": (None, {"GPUSNAP_STORE_WORKERS": str(os.cpu_count() or 1)}, "stored beside the dump, a thread per core"),
     "tmpfs": ("/dev/shm", {}, "stored beside the dump, store on tmpfs (no disk writes)"),
