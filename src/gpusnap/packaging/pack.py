@@ -32,7 +32,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -540,7 +540,7 @@ class PackWriter:
         # beside a dump.
         self.nice = nice
         self.pool = yielding_pool(self.workers, "gpusnap-pack", nice)
-        self._retired: list[Any] = []  # pools replaced by widen(): shut down with the others
+        self._retired: list[ThreadPoolExecutor] = []  # pools replaced by widen(): shut down with the others
         self.lanes = [yielding_pool(1, f"gpusnap-pack-lane{i}", nice) for i in range(LANES)]
         self.sealers = yielding_pool(self.workers, "gpusnap-pack-seal", nice)
         self.depth = self.workers + 2
