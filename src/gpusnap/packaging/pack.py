@@ -535,24 +535,18 @@ class PackWriter:
         self.p = params
         self.known = known if known is not None else KnownIndex()
         self.on_blob = on_blob
-        self.workers = max(1, workers or usable_cores())
+        workers = max(1, workers or usable_cores())
         # ``nice``: the threads' nice value (gpusnap.host.priority), raised where the pack runs
         # beside a dump.
         self.nice = nice
-        self.pool = yielding_pool(self.workers, "gpusnap-pack", nice)
+        self.pool = yielding_pool(workers, "gpusnap-pack", nice)
         self._retired: list[ThreadPoolExecutor] = []  # pools replaced by widen(): shut down with the others
         self.lanes = [yielding_pool(1, f"gpusnap-pack-lane{i}", nice) for i in range(LANES)]
-        self.sealers = yielding_pool(self.workers, "gpusnap-pack-seal", nice)
-        self.depth = self.workers + 2
-        self.max_sealing = 2 * self.workers + 2  # packs hashed/flushed at once before the reads wait
+        self.sealers = yielding_pool(workers, "gpusnap-pack-seal", nice)
         self.free: queue.Queue[_Buffer] = queue.LifoQueue()  # reuse warm windows; cold ones never cost memory
         self._window_size = params.window + (params.max_pages + params.zero_min_pages + 1) * PAGE
-        # Windows: the reads in flight, plus those whose new pieces are being written (a write
-        # is a memcpy into the page cache, so few are; when the disk holds the writes back, the
-        # reads wait for them), plus the main thread's.
-        self.nbuf = self.depth + max(4, self.workers // 2) + 2
-        for _ in range(self.nbuf):
-            self.free.put(_Buffer(self._window_size, self.free))
+        self.nbuf = 0
+        self._size_for(workers)
         self.inflight: collections.deque[tuple[_Buffer | None, Future[list[_Piece]]]] = collections.deque()
         self.fresh: dict[bytes, int] = {}  # new pieces: sha → record index in ``table``
         self.table = bytearray()
@@ -580,9 +574,17 @@ class PackWriter:
         # finishes those it has (the main thread waits for them in order all the same).
         self._retired.append(self.pool)
         self.pool = yielding_pool(workers, "gpusnap-pack", self.nice)
+        self._size_for(workers)
+
+    def _size_for(self, workers: int) -> None:
+        """The bounds that follow the read pool's thread count, and windows to match (added,
+        never taken away)."""
         self.workers = workers
-        self.depth = workers + 2
-        self.max_sealing = 2 * workers + 2
+        self.depth = workers + 2  # windows read and hashed at once
+        self.max_sealing = 2 * workers + 2  # packs hashed/flushed at once before the reads wait
+        # Windows: the reads in flight, plus those whose new pieces are being written (a write
+        # is a memcpy into the page cache, so few are; when the disk holds the writes back, the
+        # reads wait for them), plus the main thread's.
         nbuf = self.depth + max(4, workers // 2) + 2
         for _ in range(nbuf - self.nbuf):
             self.free.put(_Buffer(self._window_size, self.free))
