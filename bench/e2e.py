@@ -673,19 +673,28 @@ def first_step_after(env: Env, name: str, store: Path, since: float, timeout: fl
     return wait_until(probe, timeout, f"{name} to print a step after {since:.3f}", interval=0.3)
 
 
+def store_scale() -> Any:
+    """bench/store_scale.py, beside this script: imported only where a run asks for it (it
+    brings numpy and the tests' CRIU image helpers)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import store_scale as module
+
+    return module
+
+
 def store_variants(env: Env, w: Workload, images: Path, r: dict[str, Any], variants: str, key: str = "store_variants") -> None:
     """The by-hand dump's CRIU images (the real workload's) stored into an empty store on the
     stores' disk once per variant of bench/store_scale.py, in the given order: an A/B of the
     store's own code on this host's real image (``key`` says when: nothing else running, or
     beside gpusnap's running workload right after its store-only checkpoint)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from store_scale import disk_of, parse_variants, run_store
-
+    ss = store_scale()
     store, size, rows = env.work / "store-variants", tree_bytes(images), []
-    dev = disk_of(env.work)
-    for v in parse_variants(variants):
+    dev = ss.disk_of(env.work)
+    for v in ss.parse_variants(variants):
         shutil.rmtree(store, ignore_errors=True)
-        row = {"variant": v or "as-is", **run_store(images, store, "variant:1", size, None, variant=v, disk=dev)}
+        row = {"variant": v or "as-is", **ss.run_store(images, store, "variant:1", size, None, variant=v, disk=dev)}
         rows.append(row)
         say(f"{w.name}: store of the by-hand image ({gb(size):.2f} GB), variant {row['variant']}: {json.dumps(row)}")
     shutil.rmtree(store, ignore_errors=True)
@@ -805,10 +814,8 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
             need(env, 30 + 8 * gb(r["image_bytes"]) * 2, "the store-only checkpoint (and the pushed ones)")
             store_a = work / "store-a"
             say(f"{w.name}: gpusnap checkpoint --leave-running (store only, empty store)")
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from store_scale import DiskSampler, disk_of
-
-            with DiskSampler(disk_of(env.work)) as disk0:  # when the disk took the store's writes, and how fast
+            ss = store_scale()
+            with ss.DiskSampler(ss.disk_of(env.work)) as disk0:  # when the disk took the store's writes, and how fast
                 c0 = measure([*profiler(env, f"checkpoint-store-after-dump-{w.name}"), *env.gpusnap, "checkpoint", name, "--leave-running", "--json"],
                              env={**env.cli_env(store_a), "GPUSNAP_STORE_WHILE_DUMPING": "0"})
             r["rss"].append(rss_row("checkpoint (store only)", c0))
@@ -1367,11 +1374,8 @@ def main() -> int:
         ap.error(f"--ab-dump-beside: unknown condition {bad[0]!r}; one of {', '.join(DUMP_BESIDE)}")
     for opt, text in (("--store-variants", args.store_variants), ("--store-variants-beside", args.store_variants_beside)):
         if text:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from store_scale import parse_variants
-
             try:
-                parse_variants(text)
+                store_scale().parse_variants(text)
             except ValueError as exc:
                 ap.error(f"{opt}: {exc}")
     if args.floor:
