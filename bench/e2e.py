@@ -145,6 +145,93 @@ def measure(argv: list[str], env: dict[str, str] | None = None, timeout: float =
                rusage.ru_maxrss * 1024 if rusage else 0)
 
 
+class Pressure:
+    """What the host went through while something ran: the kernel's pressure-stall totals
+    (/proc/pressure: seconds in which some task, or every task, waited for memory, I/O or CPU),
+    the reclaim counters (/proc/vmstat: pages the allocating tasks had to scan and free
+    themselves, and kswapd's) and, sampled every 0.1 s, the lowest MemAvailable and the most
+    dirty and under-writeback page cache. Tells whether CRIU's dump beside the store and the
+    uploads slowed because memory ran short (direct reclaim), the disk or the CPU."""
+
+    VMSTAT = ("allocstall_normal", "allocstall_movable", "allocstall_dma32", "pgscan_direct", "pgsteal_direct",
+              "pgscan_kswapd", "pgsteal_kswapd", "compact_stall", "pgmajfault")
+
+    def __init__(self) -> None:
+        self.low_avail, self.high_dirty = float("inf"), 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = 0.0
+        self._start: dict[str, int] = {}
+        self.summary: dict[str, float] = {}
+
+    @staticmethod
+    def _counters() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for kind in ("memory", "io", "cpu"):
+            try:
+                for line in Path(f"/proc/pressure/{kind}").read_text().splitlines():
+                    f = line.split()
+                    out[f"{kind}_{f[0]}"] = int(f[-1].split("=")[1])  # total=microseconds
+            except (OSError, IndexError, ValueError):
+                pass
+        try:
+            for line in Path("/proc/vmstat").read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k in Pressure.VMSTAT:
+                    out[k] = int(v)
+        except OSError:
+            pass
+        return out
+
+    @staticmethod
+    def _meminfo() -> dict[str, int]:
+        out = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k in ("MemAvailable", "Dirty", "Writeback", "Shmem"):
+                out[k] = int(v.split()[0]) * 1024
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            m = self._meminfo()
+            self.low_avail = min(self.low_avail, m.get("MemAvailable", self.low_avail))
+            self.high_dirty = max(self.high_dirty, m.get("Dirty", 0) + m.get("Writeback", 0))
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> "Pressure":
+        self._start, self._t0 = self._counters(), time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        end, secs = self._counters(), time.perf_counter() - self._t0
+        d = {k: end[k] - self._start[k] for k in end if k in self._start}
+        page = os.sysconf("SC_PAGE_SIZE")
+        s: dict[str, float] = {"seconds": round(secs, 2)}
+        for k in ("memory_some", "memory_full", "io_some", "io_full", "cpu_some"):
+            if k in d:
+                s[f"{k}_s"] = round(d[k] / 1e6, 2)
+        s["direct_reclaim_gb"] = round(d.get("pgsteal_direct", 0) * page / 1e9, 2)
+        s["direct_scan_gb"] = round(d.get("pgscan_direct", 0) * page / 1e9, 2)
+        s["kswapd_reclaim_gb"] = round(d.get("pgsteal_kswapd", 0) * page / 1e9, 2)
+        s["allocstalls"] = sum(d.get(k, 0) for k in self.VMSTAT if k.startswith("allocstall"))
+        s["compact_stalls"] = d.get("compact_stall", 0)
+        if self.low_avail != float("inf"):
+            s["min_available_gb"] = round(self.low_avail / 1e9, 1)
+        s["max_dirty_gb"] = round(self.high_dirty / 1e9, 2)
+        self.summary = s
+
+    def line(self) -> str:
+        s = self.summary
+        return (f"memory stall {s.get('memory_some_s', '?')} s (all tasks {s.get('memory_full_s', '?')}), I/O stall {s.get('io_some_s', '?')} s, "
+                f"CPU wait {s.get('cpu_some_s', '?')} s; reclaimed {s['direct_reclaim_gb']} GB by allocating tasks "
+                f"({s['allocstalls']} stalls), {s['kswapd_reclaim_gb']} GB by kswapd; MemAvailable down to "
+                f"{s.get('min_available_gb', '?')} GB; dirty + writeback up to {s['max_dirty_gb']} GB")
+
+
 def tree_bytes(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):
@@ -733,8 +820,11 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
             at), once the workload has gone a few steps past it (so that a restored run's steps
             can be compared)."""
             shutil.rmtree(images, ignore_errors=True)
-            secs = bare.checkpoint(images, env.cuda)
+            with Pressure() as pressure:
+                secs = bare.checkpoint(images, env.cuda)
             r.setdefault(parts_key, []).append(bare.parts)
+            r.setdefault(parts_key.replace("parts", "pressure"), []).append(pressure.summary)
+            say(f"{w.name}: by hand, while it ran: {pressure.line()}")
             r["image_bytes"] = tree_bytes(images)
             step = parse_steps(bare.output())[-1][0]
             wait_until(lambda: parse_steps(bare.output())[-1][0] >= step + 3, 120, f"{w.name} (by hand) to go on after the checkpoint", 0.05)
@@ -815,14 +905,14 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
             store_a = work / "store-a"
             say(f"{w.name}: gpusnap checkpoint --leave-running (store only, empty store)")
             ss = store_scale()
-            with ss.DiskSampler(ss.disk_of(env.work)) as disk0:  # when the disk took the store's writes, and how fast
+            with ss.DiskSampler(ss.disk_of(env.work)) as disk0, Pressure() as p0:  # when the disk took the store's writes, and how fast
                 c0 = measure([*profiler(env, f"checkpoint-store-after-dump-{w.name}"), *env.gpusnap, "checkpoint", name, "--leave-running", "--json"],
                              env={**env.cli_env(store_a), "GPUSNAP_STORE_WHILE_DUMPING": "0"})
             r["rss"].append(rss_row("checkpoint (store only)", c0))
             c0.check()
             j0 = c0.json()
             r["ck0"] = {"seconds": c0.seconds, "timings_s": j0.get("timings_s", {}), "size": j0.get("size"), "store_bytes": tree_bytes(store_a),
-                        "disk": disk0.summary()}
+                        "disk": disk0.summary(), "pressure": p0.summary}
             say(f"{w.name}: checkpoint (store only) {c0.seconds:.2f} s {j0.get('timings_s')}; disk {r['ck0']['disk']}")
             shutil.rmtree(store_a, ignore_errors=True)
             if env.args.store_variants_beside and images.is_dir():
@@ -834,27 +924,31 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
             # The same, stored while CRIU writes (the default): what a checkpoint without
             # --push costs end to end, and how much the dump slows with a store beside it.
             say(f"{w.name}: gpusnap checkpoint --leave-running (store only, while CRIU writes, empty store)")
-            c0f = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--json"], env=env.cli_env(store_a))
+            with Pressure() as p0f:
+                c0f = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--json"], env=env.cli_env(store_a))
             r["rss"].append(rss_row("checkpoint (store only, while CRIU writes)", c0f))
             c0f.check()
             j0f = c0f.json()
             r["ck0f"] = {"seconds": c0f.seconds, "timings_s": j0f.get("timings_s", {}), "size": j0f.get("size"),
-                         "stored_while_dumping": j0f.get("stored_while_dumping", 0)}
+                         "stored_while_dumping": j0f.get("stored_while_dumping", 0), "pressure": p0f.summary}
             say(f"{w.name}: checkpoint (store only, while CRIU writes) {c0f.seconds:.2f} s {j0f.get('timings_s')}; "
                 f"{gb(j0f.get('stored_while_dumping', 0)):.2f} GB stored before the dump ended")
             shutil.rmtree(store_a, ignore_errors=True)
         need(env, 30 + 8 * gb(r["image_bytes"]), "the checkpoints")
         reg0 = tree_bytes(reg_data)
         say(f"{w.name}: gpusnap checkpoint --leave-running --push {remote}:1 (empty store, empty repository)")
-        c1 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{remote}:1", "--insecure", "--json"], env=e_b)
+        with Pressure() as p1:
+            c1 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{remote}:1", "--insecure", "--json"], env=e_b)
         r["rss"].append(rss_row("checkpoint --push (1st)", c1))
         c1.check()
         reg1, st1 = tree_bytes(reg_data), tree_bytes(store_b)
         j1 = c1.json()
         r["image_bytes"] = r["image_bytes"] or int(j1.get("size") or 0)
         r["ck1"] = {"seconds": c1.seconds, "timings_s": j1.get("timings_s", {}), "size": j1.get("size"), "ref": j1.get("ref"),
-                    "registry_bytes": reg1 - reg0, "store_bytes": st1, "stored_while_dumping": j1.get("stored_while_dumping", 0)}
+                    "registry_bytes": reg1 - reg0, "store_bytes": st1, "stored_while_dumping": j1.get("stored_while_dumping", 0),
+                    "pressure": p1.summary}
         say(f"{w.name}: checkpoint --push {c1.seconds:.2f} s {j1.get('timings_s')}; registry +{gb(reg1 - reg0):.2f} GB, store {gb(st1):.2f} GB")
+        say(f"{w.name}: checkpoint --push, while it ran: {p1.line()}")
         last_ref, last_remote, j2 = j1.get("ref"), f"{remote}:1", {}
         if w.second_checkpoint:
             time.sleep(3)
@@ -1095,6 +1189,13 @@ def gpu_memory_gb(pid: int) -> float:
 
 # -- report ---------------------------------------------------------------------------------------------
 
+def pressure_text(s: dict[str, float]) -> str:
+    """A :class:`Pressure` summary in a few words (a report row)."""
+    return (f"memory stall {s.get('memory_some_s', '?')} s, I/O stall {s.get('io_some_s', '?')} s, CPU wait {s.get('cpu_some_s', '?')} s, "
+            f"direct reclaim {s.get('direct_reclaim_gb', '?')} GB ({s.get('allocstalls', '?')} stalls), kswapd {s.get('kswapd_reclaim_gb', '?')} GB, "
+            f"MemAvailable >= {s.get('min_available_gb', '?')} GB, dirty <= {s.get('max_dirty_gb', '?')} GB")
+
+
 def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
@@ -1155,6 +1256,11 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 rows.append((f"    by hand, running process, checkpoint {i + 1}{' (not counted)' if i == 0 else ''}: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()), "", "", "", ""))
             for i, parts in enumerate(w.get("bare_checkpoint_parts", [])):
                 rows.append((f"    by hand, round {i + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()), "", "", "", ""))
+            # The host while each ran: did the dump beside the store and uploads wait for memory?
+            if ck1.get("pressure"):
+                rows.append((f"    while it ran: {pressure_text(ck1['pressure'])}", "", "", "", ""))
+            for i, pr in enumerate(w.get("bare_running_pressure", []) or w.get("bare_checkpoint_pressure", [])):
+                rows.append((f"    by hand, checkpoint {i + 1}, while it ran: {pressure_text(pr)}", "", "", "", ""))
             st = t1.get("store the checkpoint")
             early = int(ck1.get("stored_while_dumping") or 0)
             if early:
@@ -1188,6 +1294,8 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             row("  of which checkpoint (CRIU + GPU, the store beside it)", t0f.get("checkpoint"),
                 f"{t0f['checkpoint'] / bare_ck:.2f}x by hand" if bare_ck and t0f.get("checkpoint") else "")
             row("  of which store of the rest, after the dump", t0f.get("store the checkpoint"))
+            if ck0f.get("pressure"):
+                rows.append((f"  while it ran: {pressure_text(ck0f['pressure'])}", "", "", "", ""))
         ck0 = w.get("ck0")
         if ck0:
             row("checkpoint without --push (stored after the dump), end to end", ck0["seconds"], f"{ck0['seconds'] / bare_ck:.2f}x by hand" if bare_ck else "")
