@@ -151,13 +151,22 @@ class Pressure:
     the reclaim counters (/proc/vmstat: pages the allocating tasks had to scan and free
     themselves, and kswapd's) and, sampled every 0.1 s, the lowest MemAvailable and the most
     dirty and under-writeback page cache. Tells whether CRIU's dump beside the store and the
-    uploads slowed because memory ran short (direct reclaim), the disk or the CPU."""
+    uploads slowed because memory ran short (direct reclaim), the disk or the CPU.
+
+    What none of those counters sees is memory bandwidth: a canary copies CANARY bytes every
+    0.1 s (a light load: ~0.16 GB/s) and keeps each copy's GB/s; its median while a command
+    runs, against its median with nothing running (:meth:`idle_canary`), says how much of the
+    memory bus the command's processes took."""
+
+    CANARY = 16 * 1024 * 1024
 
     VMSTAT = ("allocstall_normal", "allocstall_movable", "allocstall_dma32", "pgscan_direct", "pgsteal_direct",
               "pgscan_kswapd", "pgsteal_kswapd", "compact_stall", "pgmajfault")
 
     def __init__(self) -> None:
         self.low_avail, self.high_dirty = float("inf"), 0
+        self.canary: list[float] = []
+        self._src, self._dst = bytearray(os.urandom(1024)) * (self.CANARY // 1024), bytearray(self.CANARY)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._t0 = 0.0
@@ -192,12 +201,30 @@ class Pressure:
                 out[k] = int(v.split()[0]) * 1024
         return out
 
+    def _copy_gbps(self) -> float:
+        t = time.perf_counter()
+        self._dst[:] = self._src  # one memcpy
+        return self.CANARY / (time.perf_counter() - t) / 1e9
+
     def _run(self) -> None:
         while not self._stop.is_set():
             m = self._meminfo()
             self.low_avail = min(self.low_avail, m.get("MemAvailable", self.low_avail))
             self.high_dirty = max(self.high_dirty, m.get("Dirty", 0) + m.get("Writeback", 0))
+            self.canary.append(self._copy_gbps())
             self._stop.wait(0.1)
+
+    @classmethod
+    def idle_canary(cls, seconds: float = 3.0) -> float:
+        """The canary's median GB/s with nothing else running (the baseline for its medians)."""
+        p = cls()
+        p._copy_gbps()  # the destination's pages faulted in
+        got = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            got.append(p._copy_gbps())
+            time.sleep(0.1)
+        return statistics.median(got)
 
     def __enter__(self) -> "Pressure":
         self._start, self._t0 = self._counters(), time.perf_counter()
@@ -222,6 +249,9 @@ class Pressure:
         if self.low_avail != float("inf"):
             s["min_available_gb"] = round(self.low_avail / 1e9, 1)
         s["max_dirty_gb"] = round(self.high_dirty / 1e9, 2)
+        if self.canary:
+            s["canary_gbps_median"] = round(statistics.median(self.canary), 2)
+            s["canary_gbps_p10"] = round(sorted(self.canary)[len(self.canary) // 10], 2)
         self.summary = s
 
     def line(self) -> str:
@@ -229,7 +259,8 @@ class Pressure:
         return (f"memory stall {s.get('memory_some_s', '?')} s (all tasks {s.get('memory_full_s', '?')}), I/O stall {s.get('io_some_s', '?')} s, "
                 f"CPU wait {s.get('cpu_some_s', '?')} s; reclaimed {s['direct_reclaim_gb']} GB by allocating tasks "
                 f"({s['allocstalls']} stalls), {s['kswapd_reclaim_gb']} GB by kswapd; MemAvailable down to "
-                f"{s.get('min_available_gb', '?')} GB; dirty + writeback up to {s['max_dirty_gb']} GB")
+                f"{s.get('min_available_gb', '?')} GB; dirty + writeback up to {s['max_dirty_gb']} GB; "
+                f"a 16 MiB memcpy at {s.get('canary_gbps_median', '?')} GB/s (median; slowest tenth {s.get('canary_gbps_p10', '?')})")
 
 
 def tree_bytes(path: Path) -> int:
@@ -1193,7 +1224,8 @@ def pressure_text(s: dict[str, float]) -> str:
     """A :class:`Pressure` summary in a few words (a report row)."""
     return (f"memory stall {s.get('memory_some_s', '?')} s, I/O stall {s.get('io_some_s', '?')} s, CPU wait {s.get('cpu_some_s', '?')} s, "
             f"direct reclaim {s.get('direct_reclaim_gb', '?')} GB ({s.get('allocstalls', '?')} stalls), kswapd {s.get('kswapd_reclaim_gb', '?')} GB, "
-            f"MemAvailable >= {s.get('min_available_gb', '?')} GB, dirty <= {s.get('max_dirty_gb', '?')} GB")
+            f"MemAvailable >= {s.get('min_available_gb', '?')} GB, dirty <= {s.get('max_dirty_gb', '?')} GB, "
+            f"16 MiB memcpy {s.get('canary_gbps_median', '?')} GB/s (p10 {s.get('canary_gbps_p10', '?')})")
 
 
 def verdict(ok: bool | None) -> str:
@@ -1536,6 +1568,7 @@ def main() -> int:
     with Registry(reg_root, E2E_PORTS) as registry:
         floors: dict[str, Any] = {}
         floors |= run_floor("memcpy", size=fsize)
+        floors["canary_idle_gbps"] = Pressure.idle_canary()  # the baseline of Pressure's canary
         floors |= run_floor("sha256", size=fsize)
         floors |= run_floor("disk", size=fsize, directory=str(args.work))
         floors |= run_floor("http", size=fsize, host=registry.host, streams=min(8, os.cpu_count() or 1))
