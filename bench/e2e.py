@@ -161,12 +161,13 @@ class Pressure:
     CANARY = 16 * 1024 * 1024
 
     VMSTAT = ("allocstall_normal", "allocstall_movable", "allocstall_dma32", "pgscan_direct", "pgsteal_direct",
-              "pgscan_kswapd", "pgsteal_kswapd", "compact_stall", "pgmajfault")
+              "pgscan_kswapd", "pgsteal_kswapd", "compact_stall")
 
     def __init__(self) -> None:
         self.low_avail, self.high_dirty = float("inf"), 0
         self.canary: list[float] = []
         self._src, self._dst = bytearray(os.urandom(1024)) * (self.CANARY // 1024), bytearray(self.CANARY)
+        self._dst[:] = self._src  # its pages faulted in now, not in the first sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._t0 = 0.0
@@ -218,7 +219,6 @@ class Pressure:
     def idle_canary(cls, seconds: float = 3.0) -> float:
         """The canary's median GB/s with nothing else running (the baseline for its medians)."""
         p = cls()
-        p._copy_gbps()  # the destination's pages faulted in
         got = []
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
