@@ -254,14 +254,6 @@ class Pressure:
             s["canary_gbps_p10"] = round(sorted(self.canary)[len(self.canary) // 10], 2)
         self.summary = s
 
-    def line(self) -> str:
-        s = self.summary
-        return (f"memory stall {s.get('memory_some_s', '?')} s (all tasks {s.get('memory_full_s', '?')}), I/O stall {s.get('io_some_s', '?')} s, "
-                f"CPU wait {s.get('cpu_some_s', '?')} s; reclaimed {s['direct_reclaim_gb']} GB by allocating tasks "
-                f"({s['allocstalls']} stalls), {s['kswapd_reclaim_gb']} GB by kswapd; MemAvailable down to "
-                f"{s.get('min_available_gb', '?')} GB; dirty + writeback up to {s['max_dirty_gb']} GB; "
-                f"a 16 MiB memcpy at {s.get('canary_gbps_median', '?')} GB/s (median; slowest tenth {s.get('canary_gbps_p10', '?')})")
-
 
 def tree_bytes(path: Path) -> int:
     total = 0
@@ -855,7 +847,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
                 secs = bare.checkpoint(images, env.cuda)
             r.setdefault(parts_key, []).append(bare.parts)
             r.setdefault(parts_key.replace("parts", "pressure"), []).append(pressure.summary)
-            say(f"{w.name}: by hand, while it ran: {pressure.line()}")
+            say(f"{w.name}: by hand, while it ran: {pressure_text(pressure.summary)}")
             r["image_bytes"] = tree_bytes(images)
             step = parse_steps(bare.output())[-1][0]
             wait_until(lambda: parse_steps(bare.output())[-1][0] >= step + 3, 120, f"{w.name} (by hand) to go on after the checkpoint", 0.05)
@@ -979,7 +971,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
                     "registry_bytes": reg1 - reg0, "store_bytes": st1, "stored_while_dumping": j1.get("stored_while_dumping", 0),
                     "pressure": p1.summary}
         say(f"{w.name}: checkpoint --push {c1.seconds:.2f} s {j1.get('timings_s')}; registry +{gb(reg1 - reg0):.2f} GB, store {gb(st1):.2f} GB")
-        say(f"{w.name}: checkpoint --push, while it ran: {p1.line()}")
+        say(f"{w.name}: checkpoint --push, while it ran: {pressure_text(p1.summary)}")
         last_ref, last_remote, j2 = j1.get("ref"), f"{remote}:1", {}
         if w.second_checkpoint:
             time.sleep(3)
