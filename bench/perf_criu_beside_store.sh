@@ -5,8 +5,9 @@
 #   sudo bash bench/perf_criu_beside_store.sh            on the GPU machine, from a device copy
 #   sudo LOCAL=1 bash bench/perf_criu_beside_store.sh    here (gpusnap, runc and CRIU on PATH)
 #
-# A CPU container of PP_MIB MiB of random memory (bench/workloads/cpu_holder.py) under
-# `gpusnap run`; PP_ROUNDS rounds of `gpusnap checkpoint --leave-running`, stored after the dump
+# A CPU container of PP_MIB MiB of random memory (bench/workloads/cpu_holder.py), or with
+# PP_GPU_GIB a CUDA one holding that many GiB on the GPU (tests/gpu_worker.py, its lines on
+# stdout), under `gpusnap run`; PP_ROUNDS rounds of `gpusnap checkpoint --leave-running`, stored after the dump
 # (GPUSNAP_STORE_WHILE_DUMPING=0) and beside it (=1) in turn, each under `perf record -a`. Prints,
 # per checkpoint, CRIU's dump and the store's seconds, the samples of each command, and CRIU's
 # own top symbols. perf travels as PERF_TAR (perf and the libraries it links, from a Debian 12
@@ -29,8 +30,15 @@ perf --version; nproc; uname -r
 export GPUSNAP_STORE=/var/tmp/pp-store GPUSNAP_STATE_DIR=/dev/shm/pp-state
 PY=$(command -v python3)
 gpusnap delete pp1 >/dev/null 2>&1
-gpusnap run pp1 --rootfs-overlay / -- $PY $R/bench/workloads/cpu_holder.py --random-mib $MIB --zero-mib 0 --const-mib 0 || exit 6
-for i in $(seq 120); do gpusnap logs pp1 2>/dev/null | grep -q '^step 3' && break; sleep 0.5; done
+if [ -n "${PP_GPU_GIB:-}" ]; then
+  gpusnap run pp1 --rootfs-overlay / --env NVIDIA_VISIBLE_DEVICES=all --env WORKER_MODE=cuda --env GB=$PP_GPU_GIB \
+    --env SLEEP=0.05 --env PYTHONUNBUFFERED=1 -- $PY $R/tests/gpu_worker.py /dev/stdout || exit 6
+  READY='^[0-9]'
+else
+  gpusnap run pp1 --rootfs-overlay / -- $PY $R/bench/workloads/cpu_holder.py --random-mib $MIB --zero-mib 0 --const-mib 0 || exit 6
+  READY='^step 3'
+fi
+for i in $(seq 240); do gpusnap logs pp1 2>/dev/null | grep -q "$READY" && break; sleep 0.5; done
 gpusnap logs pp1 | head -1
 for i in $(seq $ROUNDS); do for v in 0 1; do
   rm -rf /var/tmp/pp-store
