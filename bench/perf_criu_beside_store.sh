@@ -13,8 +13,22 @@
 # own top symbols. perf travels as PERF_TAR (perf and the libraries it links, from a Debian 12
 # linux-perf; default .gpucarry/extra/perf.tar.xz); on the GPU machine CRIU, runc and the wheels
 # come from .gpucarry/.gpu-tools and .gpucarry/.whl, as tests/gpu/run_gpu_suite.sh takes them.
+#
+#   bash bench/perf_criu_beside_store.sh --pack [TAR]   (here) packs this machine's perf and the
+#       libraries it links (not libc's) into TAR (default .gpucarry/extra/perf.tar.xz)
 set -u
 R=$(cd "$(dirname "$0")/.." && pwd)
+if [ "${1:-}" = --pack ]; then
+  TAR=${2:-$R/.gpucarry/extra/perf.tar.xz}
+  P=$(command -v perf) || { echo "no perf here (apt-get install linux-perf)" >&2; exit 5; }
+  D=$(mktemp -d); mkdir -p "$D/perf/lib" "$(dirname "$TAR")"
+  cp "$P" "$D/perf/perf"
+  for l in $(ldd "$P" | awk '$3 ~ /^\// {print $3}'); do
+    case $(basename "$l") in libc.so.*|libm.so.*|libstdc++.so.*|libgcc_s.so.*) ;; *) cp -L "$l" "$D/perf/lib/" ;; esac
+  done
+  tar -C "$D" -cJf "$TAR" perf && rm -rf "$D" && ls -la "$TAR"
+  exit
+fi
 W=/tmp/pp; mkdir -p $W
 MIB=${PP_MIB:-6144}; ROUNDS=${PP_ROUNDS:-3}
 if [ "${LOCAL:-0}" != 1 ]; then
