@@ -198,7 +198,7 @@ class Pressure:
         out = {}
         for line in Path("/proc/meminfo").read_text().splitlines():
             k, _, v = line.partition(":")
-            if k in ("MemAvailable", "Dirty", "Writeback", "Shmem"):
+            if k in ("MemAvailable", "Dirty", "Writeback"):
                 out[k] = int(v.split()[0]) * 1024
         return out
 

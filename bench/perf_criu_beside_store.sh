@@ -56,6 +56,7 @@ for i in $(seq 240); do gpusnap logs pp1 2>/dev/null | grep -q "$READY" && break
 gpusnap logs pp1 | head -1
 for i in $(seq $ROUNDS); do for v in 0 1; do
   rm -rf /var/tmp/pp-store
+  # Not through perf(): $! must be perf itself, for the SIGINT that ends its recording.
   LD_LIBRARY_PATH=$W/perf/lib $W/perf/perf record -q -a -F 997 -o $W/p-$v-$i.data 2>/dev/null & P=$!
   sleep 0.3
   GPUSNAP_STORE_WHILE_DUMPING=$v gpusnap checkpoint pp1 --leave-running --json > $W/c-$v-$i.json 2>$W/c-$v-$i.err

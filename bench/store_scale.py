@@ -122,6 +122,7 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
     if switch:
         sys.setswitchinterval(switch)
     # Variants for a diagnosis of the store's disk writes, patched into this process only.
+    compress = False
     if variant == "no-kick":
         from gpusnap.packaging import store as store_mod
 
@@ -164,6 +165,7 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
             compress_level: int = int(variant[4:])
 
         pack.PackParams = Zstd  # type: ignore[misc]
+        compress = True
     elif variant:
         raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(v for v in VARIANTS if v)}")  # noqa
 
@@ -177,7 +179,7 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
     pipeline = api.start_push(store, push, insecure=True) if push else None
     if pipeline is not None:
         kw["on_blob"] = pipeline.on_blob  # checkpoint --push: each blob goes up as soon as it is stored
-    if variant.startswith("zstd"):
+    if compress:
         kw["compress"] = True
     st = api.store_checkpoint(store, src, form="criu-dir", ref=ref, **kw)
     store_s = time.perf_counter() - t0
