@@ -960,8 +960,10 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         need(env, 30 + 8 * gb(r["image_bytes"]), "the checkpoints")
         reg0 = tree_bytes(reg_data)
         say(f"{w.name}: gpusnap checkpoint --leave-running --push {remote}:1 (empty store, empty repository)")
+        cpu0 = registry_cpu_s(env)
         with Pressure() as p1:
             c1 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{remote}:1", "--insecure", "--json"], env=e_b)
+        reg_cpu = registry_cpu_s(env) - cpu0
         r["rss"].append(rss_row("checkpoint --push (1st)", c1))
         c1.check()
         reg1, st1 = tree_bytes(reg_data), tree_bytes(store_b)
@@ -969,8 +971,9 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         r["image_bytes"] = r["image_bytes"] or int(j1.get("size") or 0)
         r["ck1"] = {"seconds": c1.seconds, "timings_s": j1.get("timings_s", {}), "size": j1.get("size"), "ref": j1.get("ref"),
                     "registry_bytes": reg1 - reg0, "store_bytes": st1, "stored_while_dumping": j1.get("stored_while_dumping", 0),
-                    "pressure": p1.summary}
-        say(f"{w.name}: checkpoint --push {c1.seconds:.2f} s {j1.get('timings_s')}; registry +{gb(reg1 - reg0):.2f} GB, store {gb(st1):.2f} GB")
+                    "pressure": p1.summary, "registry_cpu_s": reg_cpu}
+        say(f"{w.name}: checkpoint --push {c1.seconds:.2f} s {j1.get('timings_s')}; registry +{gb(reg1 - reg0):.2f} GB "
+            f"(its process: {reg_cpu:.1f} CPU s), store {gb(st1):.2f} GB")
         say(f"{w.name}: checkpoint --push, while it ran: {pressure_text(p1.summary)}")
         last_ref, last_remote, j2 = j1.get("ref"), f"{remote}:1", {}
         if w.second_checkpoint:
@@ -1038,6 +1041,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         need(env, 30 + 5 * gb(r["image_bytes"]), "the restore from the registry")
         e_c = env.cli_env(store_c)
         say(f"{w.name}: gpusnap restore {last_remote} (empty local store)")
+        cpu0 = registry_cpu_s(env)
         c4 = measure([*profiler(env, f"restore-registry-{w.name}"), *env.gpusnap, "restore", last_remote, "--insecure", "--json"], env=e_c,
                      timeout=180 if env.args.py_spy else 900)
         r["rss"].append(rss_row("restore (registry)", c4))
@@ -1046,12 +1050,13 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         r["restore_registry_s"] = nxt[2] - c4.start
         r["restore_registry_cmd_s"] = c4.seconds
         r["restore_registry_timings_s"] = c4.json().get("timings_s", {})
+        r["restore_registry_registry_cpu_s"] = registry_cpu_s(env) - cpu0
         time.sleep(2)
         after = [s for s in last_steps(env, name, store_c) if s[2] > c4.start]
         same, differ = values.compare(after)
         r["restore_registry_continuation"] = {"first_step": nxt[0], "same": same, "differ": differ}
-        say(f"{w.name}: restore (registry) to first step {r['restore_registry_s']:.2f} s (command {c4.seconds:.2f} s) "
-            f"{r['restore_registry_timings_s']}; step {nxt[0]}; {same} steps equal to other runs', {differ} differ")
+        say(f"{w.name}: restore (registry) to first step {r['restore_registry_s']:.2f} s (command {c4.seconds:.2f} s; the registry's "
+            f"process {r['restore_registry_registry_cpu_s']:.1f} CPU s) {r['restore_registry_timings_s']}; step {nxt[0]}; {same} steps equal to other runs', {differ} differ")
         measure([*env.gpusnap, "delete", name], env=e_c).check()
         for knob in AB_KNOBS:
             if getattr(env.args, f"ab_{knob}"):
@@ -1212,6 +1217,17 @@ def gpu_memory_gb(pid: int) -> float:
 
 # -- report ---------------------------------------------------------------------------------------------
 
+def registry_cpu_s(env: "Env") -> float:
+    """CPU seconds (user + system) the local registry's process has used so far: what an upload
+    or a download costs on this host's cores beside gpusnap's own work (0.0 if it is not running)."""
+    proc = env.registry.proc
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split() if proc is not None else []
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
 def pressure_text(s: dict[str, float]) -> str:
     """A :class:`Pressure` summary in a few words (a report row)."""
     return (f"memory stall {s.get('memory_some_s', '?')} s, I/O stall {s.get('io_some_s', '?')} s, CPU wait {s.get('cpu_some_s', '?')} s, "
@@ -1283,6 +1299,9 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             # The host while each ran: did the dump beside the store and uploads wait for memory?
             if ck1.get("pressure"):
                 rows.append((f"    while it ran: {pressure_text(ck1['pressure'])}", "", "", "", ""))
+            if ck1.get("registry_cpu_s"):  # the local registry's share of the host's cores beside the dump
+                rows.append((f"    the local registry's process meanwhile: {ck1['registry_cpu_s']:.1f} CPU s "
+                             f"({ck1['registry_cpu_s'] / max(gb(ck1.get('registry_bytes') or size), 1e-9):.2f} per GB received)", "", "", "", ""))
             for i, pr in enumerate(w.get("bare_running_pressure", []) or w.get("bare_checkpoint_pressure", [])):
                 rows.append((f"    by hand, checkpoint {i + 1}, while it ran: {pressure_text(pr)}", "", "", "", ""))
             st = t1.get("store the checkpoint")
@@ -1377,6 +1396,8 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                 if pull > 0:
                     row(f"  of which pull, command minus its restore step (~{gb(got):.2f} GB fetched)", pull,
                         f"{gb(got) / pull / http_down:.2f}x HTTP download floor" if http_down else "", rate_bytes=got)
+            if w.get("restore_registry_registry_cpu_s"):
+                rows.append((f"  the local registry's process meanwhile: {w['restore_registry_registry_cpu_s']:.1f} CPU s", "", "", "", ""))
         for knob, (_, _, labels) in CK_AB_KNOBS.items():
             ab = w.get(f"checkpoint_ab_{knob}") or []
             for on, label in zip((True, False), labels):

@@ -98,6 +98,7 @@ VARIANTS = {
     "lanesN": "N packs filled at once (e.g. lanes4, lanes8) instead of pack.LANES (the packs differ; the pieces do not)",
     "zstdN": "pieces compressed at zstd level N (e.g. zstd1, zstd3), as `checkpoint --compress` does at level 3, "
              "where a piece's frame saves at least a tenth",
+    "sha256": "pieces keyed by SHA-256 (a GSPIECE2 table, as before the seventeenth session) instead of BLAKE3",
 }
 
 
@@ -166,6 +167,10 @@ def child(src: Path, store: Path, ref: str, workers: int | None, push: str = "",
 
         pack.PackParams = Zstd  # type: ignore[misc]
         compress = True
+    elif variant == "sha256":
+        from gpusnap.packaging import layout as lay
+
+        lay.PIECE_DIGEST = lay.DIGEST_SHA256  # type: ignore[misc]  # read by each PackWriter as it starts
     elif variant:
         raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(v for v in VARIANTS if v)}")  # noqa
 

@@ -76,7 +76,7 @@ PY=python3; [ -x "$SRC/.venv/bin/python" ] && PY=$SRC/.venv/bin/python
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST/.whl" \
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
-  zstandard==0.25.0 pyfastcdc==0.3.1 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 fastjsonschema==2.22.3 \
+  zstandard==0.25.0 pyfastcdc==0.3.1 blake3==1.0.11 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 fastjsonschema==2.22.3 \
   pyroute2==0.9.7 docker==7.2.0 typer==0.28.0
 if [ "${GS_GPU_CRI:-0}" = 1 ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -221,11 +221,11 @@ class _FileWriter:
     (``bytes.startswith`` at an offset compares in place: no copy to find out it is all zeros).
     """
 
-    def __init__(self, fd: int, offset: int, length: int, path: str, sha256: bytes | None = None) -> None:
+    def __init__(self, fd: int, offset: int, length: int, path: str, piece: Placement | None = None) -> None:
+        """``piece``: the placement whose digest checks what is written (None: nothing to check)."""
         self.fd, self.start, self.length, self.path = fd, offset, length, path
         self.done = 0
-        self.expected = sha256
-        self.hash = hashlib.sha256() if sha256 is not None else None
+        self.expected, self.hash = (piece.digest, piece.hasher()) if piece is not None and piece.digest is not None else (None, None)
 
     def write_range(self, base: bytes | bytearray, start: int, end: int) -> None:
         n = end - start
@@ -282,7 +282,7 @@ class _PieceSink:
 
     def __init__(self, pl: Placement, fd: int) -> None:
         self.pl = pl
-        self.file = _FileWriter(fd, pl.file_offset, pl.raw_length, pl.path, pl.sha256)
+        self.file = _FileWriter(fd, pl.file_offset, pl.raw_length, pl.path, pl)
         self.z = (zstandard.ZstdDecompressor().stream_writer(self.file, write_size=OUT_SIZE, closefd=False)  # type: ignore[arg-type]
                   if pl.compressed else None)
 
@@ -307,9 +307,9 @@ class _PieceSink:
 def blob_span(bp: BlobPlan) -> tuple[int, int]:
     """The bytes of a blob a restore must receive: all of it when its digest is what verifies
     it (v1, or any piece without its own digest); otherwise (v2) only from its first to the
-    end of its last needed piece, each piece checked by its own SHA-256 — a pack shared with an
+    end of its last needed piece, each piece checked by its own digest — a pack shared with an
     older checkpoint may hold many pieces this one does not use."""
-    if not bp.placements or any(p.sha256 is None for p in bp.placements):
+    if not bp.placements or any(p.digest is None for p in bp.placements):
         return 0, bp.descriptor.size
     return min(p.blob_offset for p in bp.placements), max(p.blob_offset + p.stored_length for p in bp.placements)
 
@@ -322,7 +322,7 @@ class _BlobRouter:
     def __init__(self, bp: BlobPlan, fds: dict[str, int], on_piece: Callable[[str, int, int], None] | None = None) -> None:
         self.bp, self.fds = bp, fds
         self.start, self.end = blob_span(bp)
-        self.whole = any(p.sha256 is None for p in bp.placements) or not bp.placements
+        self.whole = any(p.digest is None for p in bp.placements) or not bp.placements
         # Pieces checked by their own digest are in once written: told as they come (runs of
         # them merged, up to REPORT_RUN), not at the blob's end (gpusnap.criu.landed).
         self.on_piece = on_piece if not self.whole else None
@@ -452,7 +452,7 @@ class _Run:
 
 class _MappedRouter(_BlobRouter):
     """A v2 blob received straight into its files' mappings (FileMaps): each raw piece lands
-    at its file offset as it is read from the socket, and is checked against its SHA-256 in
+    at its file offset as it is read from the socket, and is checked against its digest in
     place as soon as its last byte is in (a piece that does not match fails the blob, and the
     fetch removes the whole directory). What cannot land in place — a zstd piece, one stored
     range feeding several places, the bytes of other checkpoints' pieces between this one's in
@@ -519,7 +519,7 @@ class _MappedRouter(_BlobRouter):
 
     def _check(self, p: Placement) -> None:
         assert self.win is not None  # a piece is checked right after the read that completed it, in its run's window
-        if hashlib.sha256(self.win.piece(p.file_offset, p.raw_length)).digest() != p.sha256:
+        if not p.matches(self.win.piece(p.file_offset, p.raw_length)):
             raise IntegrityError(f"the piece at byte {p.file_offset} of {p.path} does not match its digest; refusing it")
 
     def finish(self) -> None:
@@ -540,7 +540,7 @@ def _direct_pieces(placements: list[Placement]) -> list[Placement]:
     for i, p in enumerate(ps):
         end = p.blob_offset + p.stored_length
         alone = reach <= p.blob_offset and (i + 1 == len(ps) or end <= ps[i + 1].blob_offset)
-        if alone and not p.compressed and p.sha256 is not None and p.raw_length == p.stored_length > 0:
+        if alone and not p.compressed and p.digest is not None and p.raw_length == p.stored_length > 0:
             out.append(p)
         reach = max(reach, end)
     return out
@@ -549,7 +549,7 @@ def _direct_pieces(placements: list[Placement]) -> list[Placement]:
 def make_router(bp: BlobPlan, fds: dict[str, int], maps: FileMaps | None = None) -> _BlobRouter:
     """The sink of a blob's bytes: into the files' mappings where ``maps`` is given and the
     blob's pieces carry their own digests (v2), else through the receive buffer."""
-    if maps is not None and bp.placements and all(p.sha256 is not None for p in bp.placements):
+    if maps is not None and bp.placements and all(p.digest is not None for p in bp.placements):
         return _MappedRouter(bp, fds, maps)
     return _BlobRouter(bp, fds)
 

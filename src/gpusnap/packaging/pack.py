@@ -12,9 +12,9 @@ Pieces (docs/artifact-format.md, "Format v2"):
 * other large files (podman's rootfs-diff.tar, data files): FastCDC (byte shifts are common
   there), smaller pieces than v1's so they pack well.
 
-Each piece is hashed (SHA-256 of its raw bytes) and, when compression is asked for and pays,
-compressed to one zstd frame, on a thread pool sized to the cores: hashlib and zstandard release
-the GIL on large buffers. A piece the store already holds (from any recent checkpoint) is
+Each piece is hashed (BLAKE3 of its raw bytes: layout.PIECE_DIGEST) and, when compression is
+asked for and pays, compressed to one zstd frame, on a thread pool sized to the cores: blake3 and
+zstandard release the GIL on large buffers. A piece the store already holds (from any recent checkpoint) is
 referenced where it lies — pack blob + offset — instead of being written again; new pieces are
 appended to the open pack, and a pack is written, hashed and committed on the pool once it
 reaches ``pack_target`` bytes. Reads go into a fixed pool of window buffers with ``readinto``;
@@ -25,7 +25,6 @@ whatever the checkpoint size.
 from __future__ import annotations
 
 import collections
-import hashlib
 from array import array
 import mmap
 import os
@@ -92,7 +91,7 @@ class PackParams:
                                          "minPages": self.min_pages, "maxPages": self.max_pages, "divisor": self.divisor,
                                          "zeroMinPages": self.zero_min_pages}},
             "other": {"algorithm": "fastcdc-2020", "avgSize": self.cdc_avg, "minSize": self.cdc_min, "maxSize": self.cdc_max},
-            "packTarget": self.pack_target, "digest": "sha256(raw piece)",
+            "packTarget": self.pack_target, "digest": f"{lay.PIECE_DIGEST}(raw piece)",
             "compression": {"algorithm": "zstd", "level": self.compress_level, "minSaving": self.compress_min_saving},
         }
 
@@ -348,7 +347,7 @@ MAX_KNOWN = 500_000
 
 
 class KnownIndex:
-    """Raw SHA-256 → where a piece of an earlier checkpoint lies, in ~130 bytes a piece: the
+    """Raw digest → where a piece of an earlier checkpoint lies, in ~130 bytes a piece: the
     digest is the only Python object per piece; the rest sits in one flat array (a dict of
     records cost ~250 bytes a piece, 130 MB for the 500k limit)."""
 
@@ -363,21 +362,21 @@ class KnownIndex:
     def __len__(self) -> int:
         return len(self._where)
 
-    def __contains__(self, sha: object) -> bool:
-        return sha in self._where
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._where
 
-    def add(self, sha: bytes, blob: Descriptor, blob_offset: int, stored: int, raw: int, flags: int) -> None:
-        if sha in self._where:
+    def add(self, digest: bytes, blob: Descriptor, blob_offset: int, stored: int, raw: int, flags: int) -> None:
+        if digest in self._where:
             return
         pi = self._pack_at.get(blob.digest)
         if pi is None:
             pi = self._pack_at[blob.digest] = len(self.packs)
             self.packs.append(blob)
-        self._where[sha] = len(self._rows) // self._W
+        self._where[digest] = len(self._rows) // self._W
         self._rows.extend((pi, blob_offset, stored, raw, flags))
 
-    def get(self, sha: bytes) -> KnownPiece | None:
-        i = self._where.get(sha)
+    def get(self, digest: bytes) -> KnownPiece | None:
+        i = self._where.get(digest)
         if i is None:
             return None
         pi, bo, stored, raw, flags = self._rows[i * self._W:(i + 1) * self._W]
@@ -385,11 +384,13 @@ class KnownIndex:
 
 
 def known_pieces(store: OciStore, prefer: list[str] | None = None, limit: int = MAX_KNOWN) -> KnownIndex:
-    """Pieces of v2 checkpoints already in ``store``: raw SHA-256 → where they lie.
+    """Pieces of v2 checkpoints already in ``store``: raw digest → where they lie.
 
     Derived from the stored artifacts themselves (manifest + piece table, both verified when
     read), so it can never disagree with the store after a crash. Bounded: the manifests in
-    ``prefer`` (e.g. the parent) first, then the newest tags, until ``limit`` pieces.
+    ``prefer`` (e.g. the parent) first, then the newest tags, until ``limit`` pieces. Only tables
+    whose digest is the one new pieces get (layout.PIECE_DIGEST): an older table's SHA-256 keys
+    could never match, and would take room in the index.
     """
     import json
 
@@ -415,20 +416,22 @@ def known_pieces(store: OciStore, prefer: list[str] | None = None, limit: int = 
             tables = [d for d in layers if d.media_type == lay.MEDIA_PIECES]
             if len(tables) != 1:
                 continue  # v1 or encrypted: nothing to reference piecewise
-            records = lay.iter_table(store.read_bytes(tables[0].digest, limit=lay.MAX_TABLE))
+            algorithm, records = lay.read_table(store.read_bytes(tables[0].digest, limit=lay.MAX_TABLE))
+            if algorithm != lay.PIECE_DIGEST:
+                continue
         except (IntegrityError, OSError, ValueError, json.JSONDecodeError):
             continue
         except Exception:  # noqa: BLE001 - a damaged old checkpoint only means less dedup
             continue
         present: dict[int, bool] = {}
-        for _fo, bo, _fi, li, raw, stored, flags, sha in records:
-            if flags & lay.FLAG_ZERO or li >= len(layers) or sha in out:
+        for _fo, bo, _fi, li, raw, stored, flags, key in records:
+            if flags & lay.FLAG_ZERO or li >= len(layers) or key in out:
                 continue
             ok = present.get(li)
             if ok is None:
                 ok = present[li] = layers[li].media_type == lay.MEDIA_PACK and store.has_blob(layers[li].digest)
             if ok:
-                out.add(sha, layers[li], bo, stored, raw, flags)
+                out.add(key, layers[li], bo, stored, raw, flags)
                 if len(out) >= limit:
                     break
     return out
@@ -470,12 +473,12 @@ class _Piece:
     raw: int
     zero: bool = False
     view: Any = None  # raw bytes (memoryview into a window buffer, or bytes)
-    sha: bytes = b""
+    digest: bytes = b""
     at: int = -1  # where ``view`` starts in its window buffer (-1: not in one)
     stored: Any = None  # zstd frame when compressed and it paid
 
 
-_ZERO_SHA = b"\0" * 32
+_ZERO_DIGEST = b"\0" * 32
 _RECORD_PACK = lay.RECORD.pack
 
 
@@ -486,6 +489,7 @@ class PackResult:
     new_bytes: int
     new_blobs: int
     stats: dict[str, int] = field(default_factory=dict)
+    algorithm: str = lay.PIECE_DIGEST  # of the records' digests
     _first_pack: int = 0  # what ``table``'s layer fields are relative to now
 
     def encode_table(self, first_pack: int) -> bytes:
@@ -494,7 +498,7 @@ class PackResult:
         li = arr["li"]
         li[li != lay.NO_LAYER] += np.uint32(first_pack - self._first_pack)
         self._first_pack = first_pack
-        return lay.encode_packed_table(self.table)
+        return lay.encode_packed_table(self.table, self.algorithm)
 
     def renumber_files(self, numbers: dict[int, int]) -> None:
         """Give the pieces of file ``k`` the file index ``numbers[k]`` (files packed before
@@ -509,7 +513,7 @@ class PackResult:
 
 def _records(table: bytearray) -> np.ndarray:
     rec = np.dtype([("fo", "<u8"), ("bo", "<u8"), ("fi", "<u4"), ("li", "<u4"), ("raw", "<u4"), ("stored", "<u4"),
-                    ("flags", "<u4"), ("res", "<u4"), ("sha", "V32")])
+                    ("flags", "<u4"), ("res", "<u4"), ("digest", "V32")])
     assert rec.itemsize == lay.RECORD.size
     return np.frombuffer(table, dtype=rec)
 
@@ -534,6 +538,7 @@ class PackWriter:
         self.compress = compress
         self.p = params
         self.known = known if known is not None else KnownIndex()
+        self.algorithm = lay.PIECE_DIGEST  # every piece of one table has the same digest
         self.on_blob = on_blob
         workers = max(1, workers or usable_cores())
         # ``nice``: the threads' nice value (gpusnap.host.priority), raised where the pack runs
@@ -548,7 +553,7 @@ class PackWriter:
         self.nbuf = 0
         self._size_for(workers)
         self.inflight: collections.deque[tuple[_Buffer | None, Future[list[_Piece]]]] = collections.deque()
-        self.fresh: dict[bytes, int] = {}  # new pieces: sha → record index in ``table``
+        self.fresh: dict[bytes, int] = {}  # new pieces: digest → record index in ``table``
         self.table = bytearray()
         self.nrecords = 0
         self.packs: list[Any] = []  # _Pack (new) or Descriptor (known), first-use order
@@ -626,8 +631,8 @@ class PackWriter:
         for pc in pieces:
             if pc.zero:
                 continue
-            pc.sha = hashlib.sha256(pc.view).digest()
-            if zc is not None and pc.sha not in self.known and misses < 8:
+            pc.digest = lay.piece_hash(self.algorithm, pc.view)
+            if zc is not None and pc.digest not in self.known and misses < 8:
                 frame = zc.compress(pc.view)
                 if len(frame) <= pc.raw * (1 - self.p.compress_min_saving):
                     pc.stored = frame
@@ -716,8 +721,8 @@ class PackWriter:
         while len(self.inflight) > self.depth:
             self._drain_one()
 
-    def _record(self, fo: int, bo: int, fi: int, li: int, raw: int, stored: int, flags: int, sha: bytes) -> None:
-        self.table += _RECORD_PACK(fo, bo, fi, li, raw, stored, flags, 0, sha)
+    def _record(self, fo: int, bo: int, fi: int, li: int, raw: int, stored: int, flags: int, digest: bytes) -> None:
+        self.table += _RECORD_PACK(fo, bo, fi, li, raw, stored, flags, 0, digest)
         self.nrecords += 1
 
     def _known_pack(self, desc: Descriptor) -> int:
@@ -757,21 +762,21 @@ class PackWriter:
                 if pc.zero:
                     stats["zero_pieces"] += 1
                     stats["zero_bytes"] += pc.raw
-                    self._record(pc.offset, 0, pc.file, lay.NO_LAYER, pc.raw, 0, lay.FLAG_ZERO, _ZERO_SHA)
+                    self._record(pc.offset, 0, pc.file, lay.NO_LAYER, pc.raw, 0, lay.FLAG_ZERO, _ZERO_DIGEST)
                     continue
-                k = self.known.get(pc.sha)
+                k = self.known.get(pc.digest)
                 if k is not None and k.raw == pc.raw:
                     stats["deduped_pieces"] += 1
                     stats["deduped_bytes"] += pc.raw
-                    self._record(pc.offset, k.blob_offset, pc.file, self._known_pack(k.blob), pc.raw, k.stored, k.flags, pc.sha)
+                    self._record(pc.offset, k.blob_offset, pc.file, self._known_pack(k.blob), pc.raw, k.stored, k.flags, pc.digest)
                     continue
-                r = self.fresh.get(pc.sha)
+                r = self.fresh.get(pc.digest)
                 if r is not None:
                     _fo, bo, _fi, li, raw, stored, flags, _res, _sha = lay.RECORD.unpack_from(self.table, r * lay.RECORD.size)
                     if raw == pc.raw:
                         stats["deduped_pieces"] += 1
                         stats["deduped_bytes"] += pc.raw
-                        self._record(pc.offset, bo, pc.file, li, raw, stored, flags, pc.sha)
+                        self._record(pc.offset, bo, pc.file, li, raw, stored, flags, pc.digest)
                         continue
                 compressed = pc.stored is not None
                 data = pc.stored if compressed else pc.view
@@ -794,8 +799,8 @@ class PackWriter:
                     runs.append((pack, off, [data]))
                     span_start = pc.at
                 span_end = pc.at + pc.raw if not compressed and pc.at >= 0 else -2
-                self.fresh[pc.sha] = self.nrecords
-                self._record(pc.offset, off, pc.file, pack.index, pc.raw, n, lay.FLAG_ZSTD if compressed else 0, pc.sha)
+                self.fresh[pc.digest] = self.nrecords
+                self._record(pc.offset, off, pc.file, pack.index, pc.raw, n, lay.FLAG_ZSTD if compressed else 0, pc.digest)
                 stats["new_pieces"] += 1
                 self.new_bytes += n
                 pc.view = pc.stored = None
@@ -939,7 +944,7 @@ class PackWriter:
         self._check()
         packs = [pk.desc if isinstance(pk, _Pack) else pk for pk in self.packs]
         self._shutdown(cancel=False)
-        return PackResult(self.table, packs, self.new_bytes, len(self.all_new), self.stats)  # type: ignore[arg-type]
+        return PackResult(self.table, packs, self.new_bytes, len(self.all_new), self.stats, self.algorithm)  # type: ignore[arg-type]
 
     def abort(self) -> None:
         self._failed = self._failed or RuntimeError("aborted")

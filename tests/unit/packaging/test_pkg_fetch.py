@@ -13,6 +13,7 @@ import zstandard
 
 from gpusnap.errors import IntegrityError
 from gpusnap.packaging import artifact as fmt
+from gpusnap.packaging import layout as lay
 from gpusnap.packaging.fetch import BlobPlan, FileMaps, Placement, _BlobRouter, _create_sparse, _MappedRouter, make_router, plan
 from gpusnap.packaging.store import Descriptor
 
@@ -290,3 +291,21 @@ def test_router_tells_pieces_checked_by_their_own_digest_as_they_are_written(tmp
     v1 = _BlobRouter(BlobPlan(Descriptor(fmt.MEDIA_PAGES, _digest(blob), len(blob)),
                               [Placement("f", 0, 0, len(blob), len(blob), False, None)]), {}, on_piece=tell)
     assert v1.on_piece is None
+
+
+@pytest.mark.parametrize("algorithm", [lay.DIGEST_BLAKE3, lay.DIGEST_SHA256])
+def test_both_routers_check_each_piece_by_its_tables_digest(tmp_path: Path, algorithm: str) -> None:
+    a, b = os.urandom(20_000), os.urandom(30_000)
+    z = zstandard.ZstdCompressor().compress(b)  # streamed through the decompressor, hashed in parts
+    pls = [Placement("f", 0, 0, len(a), len(a), False, lay.piece_hash(algorithm, a), algorithm),
+           Placement("f", len(a), len(a), len(z), len(b), True, lay.piece_hash(algorithm, b), algorithm)]
+    assert _route(tmp_path / "buffered", a + z, pls, len(a + b), step=3000).read_bytes() == a + b
+    out, _ = _receive_mapped(tmp_path / "mapped", a + z, pls, {"f": len(a + b)}, 3000)
+    assert out["f"] == a + b
+    # The other algorithm's digest of the same bytes is not theirs: refused on either path.
+    other = lay.DIGEST_SHA256 if algorithm == lay.DIGEST_BLAKE3 else lay.DIGEST_BLAKE3
+    wrong = [Placement("f", 0, 0, len(a), len(a), False, lay.piece_hash(other, a), algorithm), pls[1]]
+    with pytest.raises(IntegrityError, match="piece at byte 0"):
+        _route(tmp_path / "b2", a + z, wrong, len(a + b))
+    with pytest.raises(IntegrityError, match="piece at byte 0 of f does not match"):
+        _receive_mapped(tmp_path / "m2", a + z, wrong, {"f": len(a + b)})

@@ -505,12 +505,94 @@ def test_v1_artifacts_still_materialize(tmp_path: Path) -> None:
     assert _files(out) == _files(src)
     art = fmt.load(store, built.manifest_digest)
     layout = lay.layout_of(store, art)
-    assert layout.version == 1 and all(len(b.placements) == 1 and b.placements[0].sha256 is None for b in layout.blobs)
+    assert layout.version == 1 and all(len(b.placements) == 1 and b.placements[0].digest is None for b in layout.blobs)
     assert sum(b.placements[0].raw_length for b in layout.blobs) == 5 << 20
     # a v2 checkpoint of the same memory stored next to it still works (no piece index from v1)
     s2 = api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/v2")
     assert s2.new_bytes >= 5 << 20
     assert _files(api.materialize_checkpoint(tmp_path / "s", "gs-pkg/v2", tmp_path / "out2", form="criu-dir")) == _files(src)
+
+
+def _piece_table(store: OciStore, ref: str) -> tuple[str, list[tuple[int, int, int, int, int, int, int, bytes]]]:
+    manifest = store.manifest(store.resolve(ref).digest)
+    algorithm, records = lay.read_table(store.read_bytes(next(d["digest"] for d in manifest["layers"] if d["mediaType"] == lay.MEDIA_PIECES)))
+    return algorithm, list(records)
+
+
+def test_new_pieces_carry_their_blake3_and_the_table_says_so(tmp_path: Path) -> None:
+    data = _rand(3 << 20, 85)
+    src = _checkpoint(tmp_path / "a", [(0x10000000, data)])
+    s = api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/b3")
+    store = OciStore(tmp_path / "s")
+    algorithm, records = _piece_table(store, "gs-pkg/b3")
+    assert algorithm == lay.DIGEST_BLAKE3 == lay.PIECE_DIGEST
+    import blake3
+
+    for fo, _bo, _fi, _li, raw, _stored, flags, digest in records:
+        assert not flags & lay.FLAG_ZERO and digest == blake3.blake3(data[fo:fo + raw]).digest()
+    manifest = store.manifest(store.resolve("gs-pkg/b3").digest)
+    assert s.new_bytes >= 3 << 20
+    assert json.loads(store.read_bytes(manifest["config"]["digest"]))["chunking"]["digest"] == "blake3(raw piece)"
+
+
+def test_sha256_tables_of_earlier_versions_still_restore_verified_and_are_not_deduped_against(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _rand(4 << 20, 87)
+    src = _checkpoint(tmp_path / "a", [(0x10000000, data)])
+    # What gpusnap wrote before BLAKE3: the same records, SHA-256 digests, magic GSPIECE2.
+    monkeypatch.setattr(lay, "PIECE_DIGEST", lay.DIGEST_SHA256)
+    api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/old")
+    monkeypatch.undo()
+    store = OciStore(tmp_path / "s")
+    algorithm, records = _piece_table(store, "gs-pkg/old")
+    assert algorithm == lay.DIGEST_SHA256
+    assert all(d == hashlib.sha256(data[fo:fo + raw]).digest() for fo, _b, _f, _l, raw, _s, _fl, d in records)
+    assert _files(api.materialize_checkpoint(tmp_path / "s", "gs-pkg/old", tmp_path / "out", form="criu-dir")) == _files(src)
+
+    # Its pieces are not in the index the next store dedups against (their keys are SHA-256):
+    # the same memory is stored again, BLAKE3-keyed, and from then on dedups.
+    from gpusnap.packaging.pack import known_pieces
+
+    assert len(known_pieces(store)) == 0
+    assert api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/new").new_bytes >= 4 << 20
+    assert api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/new2").new_bytes == 0
+
+    # A changed byte in an old pack is still caught by its SHA-256.
+    m = store.manifest(store.resolve("gs-pkg/old").digest)
+    pack = next(d for d in m["layers"] if d["mediaType"] == lay.MEDIA_PACK)
+    path = store.blob_path(pack["digest"])
+    os.chmod(path, 0o600)
+    with open(path, "r+b") as f:
+        f.seek(pack["size"] // 3)
+        b = f.read(1)
+        f.seek(pack["size"] // 3)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(IntegrityError, match="digest mismatch"):
+        api.materialize_checkpoint(tmp_path / "s", "gs-pkg/old", tmp_path / "out2", form="criu-dir")
+
+
+def test_a_piece_table_of_an_unknown_digest_is_refused_with_a_way_out() -> None:
+    import struct
+
+    import zstandard
+
+    table = zstandard.ZstdCompressor().compress(struct.pack("<8sII", b"GSPIECE9", 0, lay.RECORD.size))
+    with pytest.raises(IntegrityError, match="upgrade gpusnap"):
+        lay.read_table(table)
+    with pytest.raises(IntegrityError, match="upgrade gpusnap"):
+        lay.digest_algorithm("md5")
+
+
+def test_a_blob_plan_keeps_its_pieces_digest_algorithm_over_the_wire() -> None:
+    raw = _rand(8192, 89)
+    plan = lay.BlobPlan(fmt.Descriptor(lay.MEDIA_PACK, "sha256:" + "0" * 64, len(raw)), [
+        lay.Placement("pages-1.img", 0, 0, 4096, 4096, False, lay.piece_hash(lay.DIGEST_BLAKE3, raw[:4096]), lay.DIGEST_BLAKE3),
+        lay.Placement("pages-1.img", 4096, 4096, 4096, 4096, False, hashlib.sha256(raw[4096:]).digest(), lay.DIGEST_SHA256)])
+    back = lay.BlobPlan.from_wire(json.loads(json.dumps(plan.to_wire())))
+    assert back == plan and [p.algorithm for p in back.placements] == [lay.DIGEST_BLAKE3, lay.DIGEST_SHA256]
+    assert back.placements[0].algorithm is lay.DIGEST_BLAKE3  # the interned constant, not a str per piece
+    assert back.placements[0].matches(raw[:4096]) and back.placements[1].matches(raw[4096:])
+    assert not back.placements[0].matches(raw[4096:])
 
 
 def test_a_tampered_piece_table_is_rejected(tmp_path: Path) -> None:

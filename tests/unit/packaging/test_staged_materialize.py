@@ -154,7 +154,7 @@ def test_place_stream_writes_runs_of_pieces_with_one_call_and_verifies_each(tmp_
     # a, b, c back to back in x (one run), then d elsewhere in x, then d again (a duplicate) in y
     plan, blob = _placements([("x", 0, a), ("x", len(a), b), ("x", len(a) + len(b), c), ("x", 1 << 20, d)])
     plan.placements.append(lay.Placement("y", 4096, plan.placements[-1].blob_offset, len(d), len(d), False,
-                                         plan.placements[-1].sha256))
+                                         plan.placements[-1].digest))
     fds = {p: os.open(tmp_path / p, os.O_RDWR | os.O_CREAT, 0o600) for p in ("x", "y")}
     calls: list[tuple[int, int]] = []
     real = lay.pwrite_all
