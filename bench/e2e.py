@@ -364,11 +364,12 @@ def floor_python(gpusnap: str, runs: int = 7) -> dict[str, float]:
             "gpusnap_version_s": median_of([gpusnap, "--version"])}
 
 
-def floor_http(size: int, host: str, streams: int) -> dict[str, float]:
+def floor_http(size: int, host: str, streams: int, registry_pid: int = 0) -> dict[str, float]:
     """Blob uploads (monolithic PUT) and downloads against the registry: one stream, then
     ``streams`` at once, each its own connection; digests computed before the clock starts.
     Plain http.client, sending and reading 8 MiB / 1 MiB at a time: the least a Python client
-    can cost."""
+    can cost. With ``registry_pid``, also the registry process's CPU seconds per GB received and
+    sent (what a push or pull to a registry on this host costs its cores whoever the client)."""
 
     block = random.Random(4).randbytes(8 * MIB)
 
@@ -442,13 +443,20 @@ def floor_http(size: int, host: str, streams: int) -> dict[str, float]:
                 raise errors[0]
             return time.perf_counter() - t0
 
+        c0 = pid_cpu_s(registry_pid)
         up = many(upload, [(i, n, h, d) for i, (h, d) in enumerate(blobs)])
+        c1 = pid_cpu_s(registry_pid)
         down = many(download, [(d, n * len(block) + 4096) for _, d in blobs])
+        cpu[:] = [(c1 - c0) / gb(total), (pid_cpu_s(registry_pid) - c1) / gb(total)]
         return gb(total) / up, gb(total) / down
 
+    cpu: list[float] = []
     up1, down1 = run(1)
     upn, downn = run(streams)
-    return {"http_up_gbps_1": up1, "http_down_gbps_1": down1, f"http_up_gbps_{streams}": upn, f"http_down_gbps_{streams}": downn, "http_streams": streams}
+    out = {"http_up_gbps_1": up1, "http_down_gbps_1": down1, f"http_up_gbps_{streams}": upn, f"http_down_gbps_{streams}": downn, "http_streams": streams}
+    if registry_pid:
+        out |= {"registry_cpu_s_per_gb_up": cpu[0], "registry_cpu_s_per_gb_down": cpu[1]}
+    return out
 
 
 def _timed(fn) -> float:  # type: ignore[no-untyped-def]
@@ -1217,15 +1225,19 @@ def gpu_memory_gb(pid: int) -> float:
 
 # -- report ---------------------------------------------------------------------------------------------
 
-def registry_cpu_s(env: "Env") -> float:
-    """CPU seconds (user + system) the local registry's process has used so far: what an upload
-    or a download costs on this host's cores beside gpusnap's own work (0.0 if it is not running)."""
-    proc = env.registry.proc
+def pid_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (0.0 for none or gone)."""
     try:
-        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split() if proc is not None else []
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() if pid else []
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
+def registry_cpu_s(env: "Env") -> float:
+    """The local registry's CPU seconds so far: what an upload or a download costs on this host's
+    cores beside gpusnap's own work (0.0 if it is not running)."""
+    return pid_cpu_s(env.registry.proc.pid if env.registry.proc is not None else 0)
 
 
 def pressure_text(s: dict[str, float]) -> str:
@@ -1246,6 +1258,8 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
     for k, v in f.items():
         if k.endswith("gbps") or "_gbps_" in k:
             lines.append(f"| {k.replace('_gbps', '').replace('_', ' ')} | {v:.2f} |")
+        elif k.startswith("registry_cpu_s_per_gb_"):
+            lines.append(f"| the registry's own CPU, {k.rsplit('_', 1)[1]}loads | {v:.2f} s per GB |")
         elif k.endswith("_s") and isinstance(v, float):
             lines.append(f"| {k[:-2].replace('_', ' ')} | {v:.3f} s |")
     store_target = 2.0 if gpu else 0.8
@@ -1584,7 +1598,8 @@ def main() -> int:
         floors["canary_idle_gbps"] = Pressure.idle_canary()  # the baseline of Pressure's canary
         floors |= run_floor("sha256", size=fsize)
         floors |= run_floor("disk", size=fsize, directory=str(args.work))
-        floors |= run_floor("http", size=fsize, host=registry.host, streams=min(8, os.cpu_count() or 1))
+        floors |= run_floor("http", size=fsize, host=registry.host, streams=min(8, os.cpu_count() or 1),
+                            registry_pid=registry.proc.pid if registry.proc is not None else 0)
         floors |= run_floor("python", gpusnap=gpusnap)
         # Whether the registry writes to the disk the stores write to (the one-disk floor below);
         # GPU runs keep it on /dev/shm.
