@@ -121,6 +121,36 @@ def test_pipelined_push_then_direct_restore_is_bit_exact(tmp_path: Path, registr
     assert verify_store(s2).ok
 
 
+def test_a_checkpoint_with_sha256_pieces_restores_straight_from_the_registry(tmp_path: Path, registry: Registry,
+                                                                              pull_mode: dict[str, object],
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint pushed by a gpusnap from before BLAKE3 piece digests (its piece table
+    GSPIECE2, every piece's SHA-256) restores bit-exact, each piece checked by its SHA-256, also
+    where the transfer processes (started with today's defaults) receive it."""
+    from gpusnap.packaging import layout as lay
+
+    src = _checkpoint_dir(tmp_path / "ck", 48, seed=11)
+    remote = f"{registry.host}/gs-pkg/sha256:v1"
+    monkeypatch.setattr(lay, "PIECE_DIGEST", lay.DIGEST_SHA256)
+    _pipelined_push(tmp_path / "store", src, "gs-pkg/sha256", remote, False)
+    monkeypatch.undo()
+    store = OciStore(tmp_path / "store")
+    manifest = store.manifest(store.resolve("gs-pkg/sha256").digest)
+    table = next(d["digest"] for d in manifest["layers"] if d["mediaType"] == lay.MEDIA_PIECES)
+    assert lay.read_table(store.read_bytes(table))[0] == lay.DIGEST_SHA256
+    out = api.fetch_into(tmp_path / "store2", open_remote(remote, insecure=True), tmp_path / "work" / "checkpoint", **pull_mode)
+    assert files_of(out.dest) == files_of(src)
+
+    # Ten bytes of its largest pack changed in the registry: its SHA-256 piece check refuses it.
+    layer = max((d for d in api.inspect(tmp_path / "store", "gs-pkg/sha256").layers if d.role in ("pages", "pack")), key=lambda d: d.size)
+    data_file = registry.root / "data" / "docker" / "registry" / "v2" / "blobs" / "sha256" / layer.digest[7:9] / layer.digest[7:] / "data"
+    raw = bytearray(data_file.read_bytes())
+    raw[1000:1010] = b"0123456789"
+    data_file.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="does not match its digest"):
+        api.fetch_into(tmp_path / "store3", open_remote(remote, insecure=True), tmp_path / "work3" / "checkpoint", **pull_mode)
+
+
 class _KillAfter(NullProgress):
     """Kills the registry once ``limit`` bytes moved, restarts it ``pause`` s later (None: not)."""
 
