@@ -328,19 +328,23 @@ def test_compression_is_kept_only_where_it_pays(tmp_path: Path) -> None:
     assert _files(out) == _files(src)
 
 
-def test_a_corrupted_piece_is_detected_and_nothing_is_left(tmp_path: Path) -> None:
-    src = _checkpoint(tmp_path / "a", [(0x10000000, _rand(4 << 20, 51))])
-    api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/x")
-    store = OciStore(tmp_path / "s")
-    m = store.manifest(store.resolve("gs-pkg/x").digest)
+def _flip_a_byte_of_its_first_pack(store: OciStore, ref: str, where: float, bits: int) -> None:
+    m = store.manifest(store.resolve(ref).digest)
     pack = next(d for d in m["layers"] if d["mediaType"] == lay.MEDIA_PACK)
     path = store.blob_path(pack["digest"])
     os.chmod(path, 0o600)
+    at = int(pack["size"] * where)
     with open(path, "r+b") as f:
-        f.seek(pack["size"] // 2)
+        f.seek(at)
         b = f.read(1)
-        f.seek(pack["size"] // 2)
-        f.write(bytes([b[0] ^ 0x40]))
+        f.seek(at)
+        f.write(bytes([b[0] ^ bits]))
+
+
+def test_a_corrupted_piece_is_detected_and_nothing_is_left(tmp_path: Path) -> None:
+    src = _checkpoint(tmp_path / "a", [(0x10000000, _rand(4 << 20, 51))])
+    api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/x")
+    _flip_a_byte_of_its_first_pack(OciStore(tmp_path / "s"), "gs-pkg/x", 1 / 2, 0x40)
     with pytest.raises(IntegrityError, match="digest mismatch"):
         api.materialize_checkpoint(tmp_path / "s", "gs-pkg/x", tmp_path / "out", form="criu-dir")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
@@ -558,15 +562,7 @@ def test_sha256_tables_of_earlier_versions_still_restore_verified_and_are_not_de
     assert api.store_checkpoint(tmp_path / "s", src, form="criu-dir", ref="gs-pkg/new2").new_bytes == 0
 
     # A changed byte in an old pack is still caught by its SHA-256.
-    m = store.manifest(store.resolve("gs-pkg/old").digest)
-    pack = next(d for d in m["layers"] if d["mediaType"] == lay.MEDIA_PACK)
-    path = store.blob_path(pack["digest"])
-    os.chmod(path, 0o600)
-    with open(path, "r+b") as f:
-        f.seek(pack["size"] // 3)
-        b = f.read(1)
-        f.seek(pack["size"] // 3)
-        f.write(bytes([b[0] ^ 1]))
+    _flip_a_byte_of_its_first_pack(store, "gs-pkg/old", 1 / 3, 1)
     with pytest.raises(IntegrityError, match="digest mismatch"):
         api.materialize_checkpoint(tmp_path / "s", "gs-pkg/old", tmp_path / "out2", form="criu-dir")
 
