@@ -1223,8 +1223,6 @@ def gpu_memory_gb(pid: int) -> float:
     return total * MIB / 1e9
 
 
-# -- report ---------------------------------------------------------------------------------------------
-
 def pid_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) process ``pid`` has used so far (0.0 for none or gone)."""
     try:
@@ -1234,11 +1232,13 @@ def pid_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
-def registry_cpu_s(env: "Env") -> float:
+def registry_cpu_s(env: Env) -> float:
     """The local registry's CPU seconds so far: what an upload or a download costs on this host's
     cores beside gpusnap's own work (0.0 if it is not running)."""
     return pid_cpu_s(env.registry.proc.pid if env.registry.proc is not None else 0)
 
+
+# -- report ---------------------------------------------------------------------------------------------
 
 def pressure_text(s: dict[str, float]) -> str:
     """A :class:`Pressure` summary in a few words (a report row)."""

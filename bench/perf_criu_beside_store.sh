@@ -48,7 +48,7 @@ perf --version; nproc; uname -r
 export GPUSNAP_STORE=/var/tmp/pp-store GPUSNAP_STATE_DIR=/dev/shm/pp-state
 PY=$(command -v python3)
 gpusnap delete pp1 >/dev/null 2>&1
-WAYS="0 1"; PUSH=()
+WAYS="0 1"
 if [ "${PP_PUSH:-0}" = 1 ]; then
   REG=$(command -v docker-registry || echo $W/docker-registry)
   [ -x "$REG" ] || python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
