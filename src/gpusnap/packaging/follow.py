@@ -369,7 +369,7 @@ class DumpFollower:
         return self.pagemaps.get(pages_id)
 
     def _advance(self, t: _Track, whole: bool) -> bool:
-        import numpy as np
+        from gpusnap.host.numeric import np
 
         from gpusnap.packaging import pack as packing
 
@@ -430,7 +430,7 @@ class DumpFollower:
 
     def _recheck(self, t: _Track) -> None:
         """The finished file and its pagemap, read again from the start, give the cuts used."""
-        import numpy as np
+        from gpusnap.host.numeric import np
 
         from gpusnap.packaging import pack as packing
 

@@ -35,12 +35,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-import numpy as np
 import zstandard
 from pyfastcdc import FastCDC
 
 from gpusnap.errors import IntegrityError
 from gpusnap.host.cores import usable_cores
+from gpusnap.host.numeric import np
 from gpusnap.host.priority import yielding_pool
 from gpusnap.packaging import layout as lay
 from gpusnap.packaging.store import Descriptor, OciStore, PlacedBlobWriter
