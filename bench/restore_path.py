@@ -116,6 +116,10 @@ def _child(stage: str, args: dict) -> None:
     elif stage == "write-floor":
         _write_floor(Path(args["dest"]), int(args["bytes"]), int(args["threads"]), args["mode"])
     elif stage == "store":
+        if args.get("piece_digest"):  # e.g. sha256: a checkpoint as gpusnap stored it before BLAKE3 piece digests
+            from gpusnap.packaging import layout as lay
+
+            lay.PIECE_DIGEST = lay.digest_algorithm(args["piece_digest"])
         api.store_checkpoint(Path(args["store"]), Path(args["src"]), form="criu-dir", ref=args["ref"])
     elif stage == "push":
         api.push(Path(args["store"]), args["ref"], args["remote"], insecure=True)
@@ -221,6 +225,8 @@ def main() -> int:
                     "e.g. 'w8,p0,p4,p8,p4+m'")
     ap.add_argument("--parallel-fetches", default="", help="also K fetch processes at once (comma-separated Ks, e.g. '2,4'), each "
                     "into its own directory with 16/K transfers: does the pull scale with processes (an in-process limit) or not?")
+    ap.add_argument("--piece-digest", default="", help="store the pieces with this digest (sha256: as before BLAKE3; "
+                    "default: what gpusnap uses), to compare what materialize and fetch spend verifying them")
     ap.add_argument("--write-floor", action="store_true", help="also time plain 2 MiB pwrites of the same size into --dest (16 threads)")
     ap.add_argument("--profile-fetch", type=Path, help="run the first fetch under py-spy (where installed): --gil samples, "
                     "collapsed stacks in this folder (what holds the interpreter lock, and how much of the time)")
@@ -249,7 +255,7 @@ def main() -> int:
             raise SystemExit(f"cannot mount a huge-page tmpfs under {a.dest} (root needed)")
         print(f"images on a huge-page tmpfs: {mounted}", flush=True)
         a.dest = mounted
-    r = run("store", store=str(store), src=str(src), ref="bench/ck:1")
+    r = run("store", store=str(store), src=str(src), ref="bench/ck:1", piece_digest=a.piece_digest)
     print(f"store {gb:.2f} GB: {r['seconds']:.2f} s, peak RSS {r['rss_mib']:.0f} MiB", flush=True)
     drop(src)  # the page cache keeps the store's blobs, as after a checkpoint
     res: dict = {"gb": gb, "materialize": [], "fetch": []}
