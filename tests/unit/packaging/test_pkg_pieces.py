@@ -517,7 +517,7 @@ def test_v1_artifacts_still_materialize(tmp_path: Path) -> None:
     assert _files(api.materialize_checkpoint(tmp_path / "s", "gs-pkg/v2", tmp_path / "out2", form="criu-dir")) == _files(src)
 
 
-def _piece_table(store: OciStore, ref: str) -> tuple[str, list[tuple[int, int, int, int, int, int, int, bytes]]]:
+def _piece_table(store: OciStore, ref: str) -> tuple[str, list[lay.Record]]:
     manifest = store.manifest(store.resolve(ref).digest)
     algorithm, records = lay.read_table(store.read_bytes(next(d["digest"] for d in manifest["layers"] if d["mediaType"] == lay.MEDIA_PIECES)))
     return algorithm, list(records)
