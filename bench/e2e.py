@@ -419,7 +419,8 @@ def floor_http(size: int, host: str, streams: int, registry_pid: int = 0) -> dic
         if got != expect:
             raise RuntimeError(f"downloaded {got} bytes of {digest}, expected {expect}")
 
-    def run(parallel: int) -> tuple[float, float]:
+    def run(parallel: int) -> tuple[float, float, float, float]:
+        """Upload and download GB/s, and the registry's CPU seconds per GB for each."""
         n = max(1, size // len(block) // parallel)
         blobs = [blob(i, n) for i in range(parallel)]
         total = parallel * (n * len(block) + 4096)
@@ -447,15 +448,13 @@ def floor_http(size: int, host: str, streams: int, registry_pid: int = 0) -> dic
         up = many(upload, [(i, n, h, d) for i, (h, d) in enumerate(blobs)])
         c1 = pid_cpu_s(registry_pid)
         down = many(download, [(d, n * len(block) + 4096) for _, d in blobs])
-        cpu[:] = [(c1 - c0) / gb(total), (pid_cpu_s(registry_pid) - c1) / gb(total)]
-        return gb(total) / up, gb(total) / down
+        return gb(total) / up, gb(total) / down, (c1 - c0) / gb(total), (pid_cpu_s(registry_pid) - c1) / gb(total)
 
-    cpu: list[float] = []
-    up1, down1 = run(1)
-    upn, downn = run(streams)
+    up1, down1, _, _ = run(1)
+    upn, downn, cpu_up, cpu_down = run(streams)
     out = {"http_up_gbps_1": up1, "http_down_gbps_1": down1, f"http_up_gbps_{streams}": upn, f"http_down_gbps_{streams}": downn, "http_streams": streams}
     if registry_pid:
-        out |= {"registry_cpu_s_per_gb_up": cpu[0], "registry_cpu_s_per_gb_down": cpu[1]}
+        out |= {"registry_cpu_s_per_gb_up": cpu_up, "registry_cpu_s_per_gb_down": cpu_down}
     return out
 
 

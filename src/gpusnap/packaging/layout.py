@@ -102,7 +102,7 @@ class Placement:
 
     def matches(self, raw: bytes | bytearray | memoryview) -> bool:
         """Are ``raw`` the bytes this piece's digest was made of? (v1: no digest, always.)"""
-        return self.digest is None or _HASHERS[self.algorithm](raw).digest() == self.digest
+        return self.digest is None or piece_hash(self.algorithm, raw) == self.digest
 
     def hasher(self) -> Any:
         """A fresh hash object of the piece's algorithm, for bytes that come in parts."""
@@ -170,22 +170,23 @@ def piece_hash(algorithm: str, data: bytes | bytearray | memoryview) -> bytes:
     return _HASHERS[algorithm](data).digest()
 
 
-def encode_table(records: Iterable[tuple[int, int, int, int, int, int, int, bytes]], algorithm: str = PIECE_DIGEST) -> bytes:
-    """Records (file_offset, blob_offset, file, layer, raw, stored, flags, digest) → compressed table."""
+def encode_table(records: Iterable[tuple[int, int, int, int, int, int, int, bytes]], algorithm: str | None = None) -> bytes:
+    """Records (file_offset, blob_offset, file, layer, raw, stored, flags, digest) → compressed table
+    (``algorithm``: the records' digest, :data:`PIECE_DIGEST` as it is at the call by default)."""
     body = bytearray()
     for r in records:
         body += RECORD.pack(r[0], r[1], r[2], r[3], r[4], r[5], r[6], 0, r[7])
     return encode_packed_table(body, algorithm)
 
 
-def encode_packed_table(body: bytes | bytearray | memoryview, algorithm: str = PIECE_DIGEST) -> bytes:
+def encode_packed_table(body: bytes | bytearray | memoryview, algorithm: str | None = None) -> bytes:
     """Records already packed with :data:`RECORD` back to back → compressed table (the writer
     keeps its records in this form: 72 bytes a piece instead of a tuple of Python objects)."""
     if len(body) % RECORD.size:
         raise ValueError("packed records are not a whole number of records")
     cctx = zstandard.ZstdCompressor(level=3)
     out = cctx.compressobj(size=_HEADER.size + len(body))
-    head = out.compress(_HEADER.pack(_TABLE_MAGIC[algorithm], len(body) // RECORD.size, RECORD.size))
+    head = out.compress(_HEADER.pack(_TABLE_MAGIC[algorithm or PIECE_DIGEST], len(body) // RECORD.size, RECORD.size))
     return head + out.compress(body) + out.flush()
 
 
