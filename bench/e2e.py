@@ -40,6 +40,7 @@ bench/results/<host>-<date>/ (or --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -62,7 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = REPO / "bench" / "workloads"
 sys.path.insert(0, str(REPO / "tests"))
 
-from stack.registry import Registry  # noqa: E402
+from stack.registry import REGISTRY_BIN, Registry  # noqa: E402
 
 E2E_PORTS = range(5460, 5490)  # apart from the suites' ranges (tests/stack/registry.py)
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -748,6 +749,7 @@ class Env:
     cuda: CudaDriver | None
     deadline: float
     results: dict[str, Any]
+    alt_registry: Registry | None = None  # --ab-registry: a second registry program, beside the first
 
     def cli_env(self, store: Path) -> dict[str, str]:
         return {**os.environ, "GPUSNAP_STORE": str(store), "GPUSNAP_RUN_DIR": str(self.work / "run"),
@@ -1002,6 +1004,8 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         for knob in CK_AB_KNOBS:
             if getattr(env.args, f"ab_{knob}"):
                 r[f"checkpoint_ab_{knob}"] = ab_checkpoints(env, name, remote, 30 + 8 * gb(r["image_bytes"]), knob)
+        if env.alt_registry is not None:
+            r["checkpoint_ab_registry"] = ab_registries(env, name, w.name, 30 + 8 * gb(r["image_bytes"]))
         if env.args.ab_dump_beside:
             r["checkpoint_ab_dump_beside"] = ab_dump_beside(env, name, remote, 30 + 8 * gb(r["image_bytes"]))
         wait_until(lambda: len(last_steps(env, name, store_b)) > len(steps) + 3, 300, "steps after the last checkpoint", 1.0)
@@ -1126,6 +1130,58 @@ def ab_checkpoints(env: Env, name: str, remote: str, cost: float, knob: str) -> 
         say(f"A/B checkpoint --push, {knob}={val}: {c.seconds:.2f} s, of which checkpoint {t.get('checkpoint', 0):.2f} s; {t}")
         shutil.rmtree(store, ignore_errors=True)
     return rounds
+
+
+def ab_registries(env: Env, name: str, workload: str, cost: float) -> list[dict[str, Any]]:
+    """``checkpoint --leave-running --push`` of the running workload to the run's registry and to
+    the --ab-registry one in turn (A B A B), each into an empty store and a repository of its own:
+    how much of the push's cost on this host is the registry program beside the dump. Each
+    round records the CPU seconds of the registry it pushed to."""
+    assert env.alt_registry is not None
+    rounds: list[dict[str, Any]] = []
+    for i, alt in enumerate((False, True, False, True)):
+        if env.left() < cost:
+            break
+        reg = env.alt_registry if alt else env.registry
+        store = env.work / f"store-abreg-{i}"
+        pid = reg.proc.pid if reg.proc is not None else 0
+        blobs_before = registry_blobs(reg)
+        cpu0 = pid_cpu_s(pid)
+        c = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{reg.host}/e2e/{workload}-abreg{i}:1",
+                     "--insecure", "--json"], env=env.cli_env(store))
+        cpu = pid_cpu_s(pid) - cpu0
+        c.check()
+        t = c.json().get("timings_s", {})
+        rounds.append({"alt": alt, "seconds": c.seconds, "registry_cpu_s": cpu, "timings_s": t})
+        which = "--ab-registry" if alt else "the run's registry"
+        say(f"A/B registry, {which} ({registry_program(reg)}): checkpoint --push {c.seconds:.2f} s, "
+            f"its registry {cpu:.1f} CPU s; " + ", ".join(f"{k.split(': ')[-1]} {t.get(k, 0):.2f}" for k in DUMP_TIMINGS))
+        shutil.rmtree(store, ignore_errors=True)
+        # Each round pushes the whole image again (a repository of its own, an empty store); the
+        # registries keep their storage in memory on the GPU machine, so what the round added goes.
+        for blob in registry_blobs(reg) - blobs_before:
+            shutil.rmtree(blob, ignore_errors=True)
+        shutil.rmtree(reg.root / "data" / REGISTRY_REPOS / "e2e" / f"{workload}-abreg{i}", ignore_errors=True)
+    return rounds
+
+
+# Where a filesystem-driver registry (distribution 2.x and 3.x alike) keeps blobs and repositories.
+REGISTRY_BLOBS = Path("docker/registry/v2/blobs")
+REGISTRY_REPOS = Path("docker/registry/v2/repositories")
+
+
+def registry_blobs(reg: Registry) -> set[Path]:
+    """The blob directories of ``reg``'s storage (blobs/sha256/XX/DIGEST)."""
+    return set((reg.root / "data" / REGISTRY_BLOBS).glob("*/*/*"))
+
+
+def registry_program(reg: Registry) -> str:
+    """What ``reg`` runs: its program's first --version line (e.g. Debian's 2.8 or a v3 build)."""
+    try:
+        out = subprocess.run([reg.binary or REGISTRY_BIN, "--version"], capture_output=True, text=True, timeout=30)
+        return (out.stdout or out.stderr).strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return reg.binary or REGISTRY_BIN
 
 
 # What slows CRIU's dump when the store and the uploads run beside it (--ab-dump-beside): each
@@ -1261,6 +1317,14 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
             lines.append(f"| the registry's own CPU, {k.rsplit('_', 1)[1]}loads | {v:.2f} s per GB |")
         elif k.endswith("_s") and isinstance(v, float):
             lines.append(f"| {k[:-2].replace('_', ' ')} | {v:.3f} s |")
+    alt = f.get("ab_registry") or {}
+    if alt:  # --ab-registry: the same HTTP floor against the second registry program
+        name = res.get("versions", {}).get("ab_registry", "--ab-registry")
+        for k, v in alt.items():
+            if "_gbps_" in k:
+                lines.append(f"| {name}: {k.replace('_gbps', '').replace('_', ' ')} | {v:.2f} |")
+            elif k.startswith("registry_cpu_s_per_gb_"):
+                lines.append(f"| {name}: its own CPU, {k.rsplit('_', 1)[1]}loads | {v:.2f} s per GB |")
     store_target = 2.0 if gpu else 0.8
     io_floor = min(f.get("sha256_gbps_x_cores", 1e9), f.get("disk_write_gbps", 1e9))
     http = max((v for k, v in f.items() if k.startswith("http_up_gbps")), default=0)
@@ -1422,6 +1486,16 @@ def report(res: dict[str, Any], gpu: bool) -> list[str]:
                     extra = (f"{med / bare_ck:.2f}x by hand; its checkpoint step {med_ck:.2f} s = {med_ck / bare_ck:.2f}x; "
                              f"store after it {med_st:.2f} s" if bare_ck else "")
                     row(f"A/B: checkpoint --push, {label} ({len(got)} rounds, median)", med, extra)
+        abreg = w.get("checkpoint_ab_registry") or []
+        for alt, label in ((False, "the run's registry"), (True, f"--ab-registry ({res.get('versions', {}).get('ab_registry', '?')})")):
+            got = [x for x in abreg if x["alt"] == alt]
+            if got:
+                med = statistics.median(x["seconds"] for x in got)
+                dump = statistics.median(x["timings_s"].get("checkpoint: runtime: runc checkpoint", 0) for x in got)
+                cpu = statistics.median(x["registry_cpu_s"] for x in got)
+                row(f"A/B registry: checkpoint --push to {label} ({len(got)} rounds, median)", med,
+                    (f"{med / bare_ck:.2f}x by hand; " if bare_ck else "") + f"dump {dump:.2f} s; the registry {cpu:.1f} CPU s "
+                    f"({cpu / max(gb(w.get('image_bytes', 0)), 1e-9):.2f} per GB of the image)")
         beside = w.get("checkpoint_ab_dump_beside") or []
         for cond, (_, _, label) in DUMP_BESIDE.items():
             got = [x for x in beside if x["condition"] == cond]
@@ -1522,6 +1596,9 @@ def main() -> int:
                     help="also checkpoint --push the running workload twice under each condition, interleaved (what the "
                          "store beside it costs CRIU's dump); default " + ",".join(DUMP_BESIDE_RUN) + "; any of " + ", ".join(
                              f"{k} ({v[2]})" for k, v in DUMP_BESIDE.items()))
+    ap.add_argument("--ab-registry", metavar="BIN",
+                    help="a second registry program (e.g. a distribution v3 build: bench/build_registry.sh): its HTTP floor, and "
+                         "checkpoint --push of the running workload to the run's registry and to it in turn, A B A B")
     ap.add_argument("--store-variants", default="",
                     help="a comma list of bench/store_scale.py variants ('as-is' = as shipped): the by-hand CRIU image stored "
                          "into an empty store once per entry, in that order, after the by-hand rounds")
@@ -1583,11 +1660,15 @@ def main() -> int:
     workloads = args.work / "workloads"
     shutil.copytree(WORKLOADS, workloads)
     reg_root = args.registry_dir or args.work / "registry"
+    alt_root = reg_root.with_name(reg_root.name + "-ab")  # --ab-registry's storage, beside the first's
     shutil.rmtree(reg_root, ignore_errors=True)
+    if args.ab_registry and not os.access(args.ab_registry, os.X_OK):
+        print(f"e2e: --ab-registry {args.ab_registry} is not an executable file; give the path of a registry program", file=sys.stderr)
+        return 2
     py = sys.executable
     fsize = int((args.floor_gib or (4 if args.gpu else 1)) * GIB)
     res: dict[str, Any] = {"host": host, "gpu": args.gpu, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_begin)), "cores": os.cpu_count(),
-                           "versions": versions(gpusnap, runc, package), "workloads": []}
+                           "versions": versions(gpusnap, runc, package, args.ab_registry), "workloads": []}
     say(f"e2e on {host}: {os.cpu_count()} cores; {res['versions']}")
     say(f"gpusnap's bytecode: {compiled}")
     cuda = CudaDriver() if args.gpu else None
@@ -1600,6 +1681,11 @@ def main() -> int:
         floors |= run_floor("http", size=fsize, host=registry.host, streams=min(8, os.cpu_count() or 1),
                             registry_pid=registry.proc.pid if registry.proc is not None else 0)
         floors |= run_floor("python", gpusnap=gpusnap)
+        if args.ab_registry:
+            with Registry(alt_root, E2E_PORTS, binary=args.ab_registry) as alt:
+                floors["ab_registry"] = run_floor("http", size=fsize, host=alt.host, streams=min(8, os.cpu_count() or 1),
+                                                  registry_pid=alt.proc.pid if alt.proc is not None else 0)
+            shutil.rmtree(alt_root, ignore_errors=True)
         # Whether the registry writes to the disk the stores write to (the one-disk floor below);
         # GPU runs keep it on /dev/shm.
         reg_root.mkdir(parents=True, exist_ok=True)
@@ -1630,8 +1716,9 @@ def main() -> int:
         print(f"e2e: unknown workload(s) {', '.join(sorted(unknown))}; pick from {', '.join(catalog)}", file=sys.stderr)
         return 2
     try:
-        with Registry(reg_root, E2E_PORTS) as registry:
-            env = Env(args, args.work, [gpusnap], runc, registry, cuda, deadline, res)
+        with Registry(reg_root, E2E_PORTS) as registry, contextlib.ExitStack() as stack:
+            alt = stack.enter_context(Registry(alt_root, E2E_PORTS, binary=args.ab_registry)) if args.ab_registry else None
+            env = Env(args, args.work, [gpusnap], runc, registry, cuda, deadline, res, alt)
             for n in names:
                 if deadline and time.time() > deadline - 60:
                     res["workloads"].append({"workload": n, "rss": [], "skipped": ["all (time)"]})
@@ -1642,6 +1729,7 @@ def main() -> int:
     finally:
         shutil.rmtree(args.work, ignore_errors=True)
         shutil.rmtree(reg_root, ignore_errors=True)  # on /dev/shm in GPU runs: memory
+        shutil.rmtree(alt_root, ignore_errors=True)
         shutil.rmtree(args.state_dir, ignore_errors=True)
         res["seconds"] = time.time() - t_begin
         lines = report(res, args.gpu)
@@ -1668,7 +1756,7 @@ def source_digest(found: tuple[str, str] | str) -> str:
     return h.hexdigest()[:12]
 
 
-def versions(gpusnap: str, runc: str, package: tuple[str, str] | str) -> dict[str, str]:
+def versions(gpusnap: str, runc: str, package: tuple[str, str] | str, ab_registry: str | None = None) -> dict[str, str]:
     def first(cmd: list[str]) -> str:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -1679,6 +1767,9 @@ def versions(gpusnap: str, runc: str, package: tuple[str, str] | str) -> dict[st
     staged = REPO / "COMMIT"  # tests/gpu/stage.sh's copy is no git checkout: it says which commit it is
     commit = staged.read_text().strip() if staged.is_file() else first(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
     v = {"commit": commit, "source": source_digest(package), "gpusnap": first([gpusnap, "--version"]), "runc": first([runc, "--version"]), "criu": first(["criu", "--version"]), "python": sys.version.split()[0]}
+    v["registry"] = first([REGISTRY_BIN, "--version"])
+    if ab_registry:
+        v["ab_registry"] = first([ab_registry, "--version"])
     if shutil.which("nvidia-smi"):
         v["gpu"] = first(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     return v

@@ -59,6 +59,13 @@ if [ -f "$TOOLS/docker-registry.xz" ] && ! command -v docker-registry >/dev/null
   python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$TOOLS/docker-registry.xz" /tmp/gs-gpu-bin/docker-registry \
     && chmod +x /tmp/gs-gpu-bin/docker-registry
 fi
+# stage.sh's GS_GPU_AB_REGISTRY: a second registry program; bench/e2e.py compares the pushes to
+# both with GS_GPU_E2E_ARGS="--ab-registry /tmp/gs-gpu-bin/ab-registry".
+if [ -f "$TOOLS/ab-registry.xz" ]; then
+  mkdir -p /tmp/gs-gpu-bin
+  python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$TOOLS/ab-registry.xz" /tmp/gs-gpu-bin/ab-registry \
+    && chmod +x /tmp/gs-gpu-bin/ab-registry
+fi
 export PATH=$TOOLS/bin:$(dirname "$(command -v python3)"):$SITE/bin:/tmp/gs-gpu-bin:$PATH PYTHONUNBUFFERED=1
 export GPUSNAP_GPU_TOOLS=$TOOLS   # the device tests (test_gpu_devices.py) find runc there
 if [ -f "$TOOLS/containerd2.tar.xz" ] && [ ! -x "$TOOLS/containerd2/bin/containerd" ]; then

@@ -54,6 +54,7 @@ class Registry:
     password: str | None = None
     auth_yaml: str = ""  # a whole ``auth:`` section (token auth tests)
     log_level: str = "warn"  # "info" logs every request (tests that check what was fetched)
+    binary: str = ""  # another registry program speaking the same config (bench/e2e.py --ab-registry); default REGISTRY_BIN
     proc: subprocess.Popen | None = None  # type: ignore[type-arg]
     log: Path = field(init=False)
 
@@ -84,7 +85,7 @@ class Registry:
             + auth
         )
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([REGISTRY_BIN, "serve", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen([self.binary or REGISTRY_BIN, "serve", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, env=self._env())
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -95,10 +96,10 @@ class Registry:
                 pass
             if self.proc.poll() is not None:
                 self.proc = None
-                raise RuntimeError(f"docker-registry exited: {self.log.read_text()[-2000:]}")
+                raise RuntimeError(f"{self.binary or REGISTRY_BIN} exited: {self.log.read_text()[-2000:]}")
             time.sleep(0.05)
         self.kill()
-        raise RuntimeError(f"docker-registry did not answer on {self.host} within 20 s: {self.log.read_text()[-2000:]}")
+        raise RuntimeError(f"{self.binary or REGISTRY_BIN} did not answer on {self.host} within 20 s: {self.log.read_text()[-2000:]}")
 
     @staticmethod
     def _env() -> dict[str, str]:
