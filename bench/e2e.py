@@ -577,6 +577,8 @@ class BareContainer:
         self.readers: list[Reader] = []
         self.fds: list[int] = []
         self.parts: dict[str, float] = {}
+        self.log_dir: Path | None = None  # --criu-logs: each runc checkpoint's dump.log copied here
+        self.dumps = 0
         self.mounted = False
 
     def _runc(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -646,6 +648,10 @@ class BareContainer:
         self.parts = {"lock, GPU to host": round(t1 - t0, 3), "runc checkpoint": round(t2 - t1, 3), "host to GPU, unlock": round(t0 + secs - t2, 3)}
         if p.returncode:
             raise RuntimeError(f"runc checkpoint: {p.stderr.strip()[-1500:]}")
+        if self.log_dir is not None:  # --criu-logs: beside gpusnap's (GPUSNAP_CRIU_LOG_DIR)
+            self.dumps += 1
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.dir / "criu-work" / "dump.log", self.log_dir / f"by-hand-{self.dir.parent.name}-{self.dumps}-dump.log")
         return secs
 
     def restore(self, images: Path, cuda: CudaDriver | None) -> tuple[float, float]:
@@ -752,8 +758,14 @@ class Env:
     alt_registry: Registry | None = None  # --ab-registry: a second registry program, beside the first
 
     def cli_env(self, store: Path) -> dict[str, str]:
+        logs = self.criu_log_dir()
         return {**os.environ, "GPUSNAP_STORE": str(store), "GPUSNAP_RUN_DIR": str(self.work / "run"),
-                "GPUSNAP_STATE_DIR": str(self.args.state_dir), "GPUSNAP_CONFIG": "/nonexistent/gpusnap.toml"}
+                "GPUSNAP_STATE_DIR": str(self.args.state_dir), "GPUSNAP_CONFIG": "/nonexistent/gpusnap.toml",
+                **({"GPUSNAP_CRIU_LOG_DIR": str(logs)} if logs is not None else {})}
+
+    def criu_log_dir(self) -> Path | None:
+        """--criu-logs: where every CRIU dump.log of the run goes, by hand and gpusnap's."""
+        return self.work / "criu-logs" if self.args.criu_logs else None
 
     def left(self) -> float:
         return self.deadline - time.time() if self.deadline else 1e9
@@ -834,6 +846,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
 
     # 1. by hand
     bare = BareContainer(work, w.argv, w.gpu, env.runc)
+    bare.log_dir = env.criu_log_dir()
     stage = "start"
     try:
         say(f"{w.name}: by hand: starting a runc container")
@@ -1599,6 +1612,9 @@ def main() -> int:
     ap.add_argument("--ab-registry", metavar="BIN",
                     help="a second registry program (e.g. a distribution v3 build: bench/build_registry.sh): its HTTP floor, and "
                          "checkpoint --push of the running workload to the run's registry and to it in turn, A B A B")
+    ap.add_argument("--criu-logs", action="store_true",
+                    help="keep CRIU's dump.log of every checkpoint, by hand and gpusnap's (GPUSNAP_CRIU_LOG_DIR); "
+                         "writes criu-phases.txt (bench/criu_log_phases.py over them, in the order they ran) and criu-logs.tar.xz")
     ap.add_argument("--store-variants", default="",
                     help="a comma list of bench/store_scale.py variants ('as-is' = as shipped): the by-hand CRIU image stored "
                          "into an empty store once per entry, in that order, after the by-hand rounds")
@@ -1727,6 +1743,8 @@ def main() -> int:
                 # Written after each workload: a run cut short by a time limit keeps what it did.
                 (args.out / "e2e.json").write_text(json.dumps(res, indent=1))
     finally:
+        if args.criu_logs:
+            summarize_criu_logs(args.work / "criu-logs", args.out)
         shutil.rmtree(args.work, ignore_errors=True)
         shutil.rmtree(reg_root, ignore_errors=True)  # on /dev/shm in GPU runs: memory
         shutil.rmtree(alt_root, ignore_errors=True)
@@ -1740,6 +1758,22 @@ def main() -> int:
         say(f"wrote {args.out}/e2e.json and e2e.log ({res['seconds']:.0f} s)")
     failed = any("error" in w for w in res["workloads"])
     return 1 if failed else 0
+
+
+def summarize_criu_logs(logs: Path, out: Path) -> None:
+    """--criu-logs: the phases of every kept dump.log side by side (criu-phases.txt) and the logs
+    themselves, xz-compressed (level 4 logs of a GPU dump run to megabytes)."""
+    found = sorted(logs.glob("*.log"), key=lambda p: p.stat().st_mtime) if logs.is_dir() else []
+    if not found:
+        say("--criu-logs: no CRIU log was kept")
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import criu_log_phases
+
+    text = "\n".join(criu_log_phases.report([criu_log_phases.parse(p) for p in found])) + "\n"
+    (out / "criu-phases.txt").write_text(text)
+    subprocess.run(["tar", "-C", str(logs), "-cJf", str(out / "criu-logs.tar.xz"), *[p.name for p in found]], check=False)
+    say(f"--criu-logs: {len(found)} CRIU logs; phases in {out / 'criu-phases.txt'}")
 
 
 def source_digest(found: tuple[str, str] | str) -> str:

@@ -102,6 +102,10 @@ class Settings:
     # eagerly (bench/results/gpu-h100-lazy-pages-e2e-2026-11-27). ``gpusnap restore
     # --lazy-pages/--eager-pages`` decides for one restore.
     lazy_pages: bool | None = None
+    # Where a runc-direct checkpoint keeps CRIU's dump.log (``<container>-<UTC time>-dump.log``):
+    # what CRIU did and when, to find what a slow dump spent its time on. None: the log is removed
+    # once the dump succeeded (it is no part of the checkpoint; a failed dump's logs are always kept).
+    criu_log_dir: Path | None = None
 
 
 _ENV = {
@@ -125,6 +129,7 @@ _ENV = {
     "GPUSNAP_PUSH_PROCESSES": "push_processes",
     "GPUSNAP_STORE_WORKERS": "store_workers",
     "GPUSNAP_LAZY_PAGES": "lazy_pages",
+    "GPUSNAP_CRIU_LOG_DIR": "criu_log_dir",
 }
 
 _FILE_KEYS = {f.name for f in fields(Settings)} - {"host", "config_file"} | {"root"}
@@ -152,6 +157,11 @@ def _coerce(name: str, value: object, source: str) -> object:
         return HostPaths(Path(str(value)))
     if name in ("run_dir", "state_dir", "store_dir"):
         return Path(str(value))
+    if name == "criu_log_dir":
+        text = str(value).strip()
+        if text and not os.path.isabs(text):
+            raise UsageError(f"{source}: criu_log_dir must be an absolute path (or empty: no logs kept), got {value!r}")
+        return Path(text) if text else None
     if name in _AUTO_COUNTS:
         lo, hi = _AUTO_COUNTS[name]
         text = str(value).strip().lower()

@@ -831,8 +831,7 @@ class RuncDirectEngine(EngineBase):
         checkpoint), the overlay's writable layer (unless ``upper_packed``: an EarlyPack did it
         while the runtime finished), and for a container the dump stopped, its record and
         network set as a stopped one's."""
-        for log in dest.glob("*.log"):
-            log.unlink()
+        keep_logs(dest, self.settings.criu_log_dir, rec.name)
         if rec.rootfs == OVERLAY_ROOTFS and not upper_packed:
             scratch, _ = overlay_paths(self.container_dir(rec.name))
             pack_upper(scratch / "upper", dest / UPPER_ARCHIVE)
@@ -1054,3 +1053,28 @@ def _runtime_log_error(path: Path) -> str:
         if entry.get("level") in ("error", "fatal"):
             last = str(entry.get("msg", ""))
     return last
+
+
+def keep_logs(image_dir: Path, log_dir: Path | None, name: str) -> list[Path]:
+    """Take CRIU's logs (``*.log``) out of a dump's image directory: moved into ``log_dir`` as
+    ``<name>-<UTC time>-<log>`` (the ``criu_log_dir`` setting), else removed. They are no part
+    of the checkpoint; a log that cannot be kept is removed all the same, so the checkpoint
+    never carries it. Returns where the kept ones are."""
+    kept: list[Path] = []
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for log in sorted(image_dir.glob("*.log")):
+        if log_dir is not None:
+            target = log_dir / f"{name}-{stamp}-{log.name}"
+            n = 1
+            while target.exists():  # two dumps of one container within a second
+                target = log_dir / f"{name}-{stamp}.{n}-{log.name}"
+                n += 1
+            try:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(log), target)
+                kept.append(target)
+                continue
+            except OSError:
+                pass
+        log.unlink(missing_ok=True)
+    return kept

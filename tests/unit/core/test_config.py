@@ -57,3 +57,15 @@ def test_store_workers_takes_auto_or_a_count_and_refuses_the_rest(tmp_path):
     for bad in ("0", "257", "-2", "many"):
         with pytest.raises(UsageError, match="store_workers must be auto or a whole number from 1 to 256"):
             load_settings(env={"GPUSNAP_STORE_WORKERS": bad}, config_file=absent)
+
+
+def test_criu_log_dir_is_an_absolute_path_or_nothing(tmp_path):
+    absent = tmp_path / "none.toml"
+    assert load_settings(env={}, config_file=absent).criu_log_dir is None
+    assert load_settings(env={"GPUSNAP_CRIU_LOG_DIR": ""}, config_file=absent).criu_log_dir is None
+    assert load_settings(env={"GPUSNAP_CRIU_LOG_DIR": "/var/log/gpusnap"}, config_file=absent).criu_log_dir == Path("/var/log/gpusnap")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('criu_log_dir = "/srv/criu-logs"\n')
+    assert load_settings(env={}, config_file=cfg).criu_log_dir == Path("/srv/criu-logs")
+    with pytest.raises(UsageError, match="criu_log_dir must be an absolute path"):
+        load_settings(env={"GPUSNAP_CRIU_LOG_DIR": "logs"}, config_file=absent)

@@ -126,3 +126,29 @@ def test_runtime_restore_timings_are_flattened_under_runtime(tmp_path: Path) -> 
         "runtime: gpu plan: runc_restore": 1.5, "runtime: gpu plan: gpu_restore": 0.4, "runtime: total": 2.5}
     (tmp_path / "gpusnap-restore.json").write_text("[not an object")
     assert runtime_restore_timings(tmp_path) == {}
+
+
+def test_keep_logs_moves_criu_logs_out_of_the_image_dir_or_removes_them(tmp_path: Path) -> None:
+    from gpusnap.engines.runc_direct import keep_logs
+
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "dump.log").write_text("(00.000001) CRIU run id\n")
+    (images / "pages-1.img").write_bytes(b"p")
+    # no log dir: removed, the images stay
+    assert keep_logs(images, None, "c1") == []
+    assert sorted(p.name for p in images.iterdir()) == ["pages-1.img"]
+    # a log dir (made if missing): moved there under the container's name, twice in one second kept apart
+    logs = tmp_path / "logs" / "criu"
+    kept = []
+    for text in ("first\n", "second\n"):
+        (images / "dump.log").write_text(text)
+        kept += keep_logs(images, logs, "c1")
+    assert [p.read_text() for p in kept] == ["first\n", "second\n"]
+    assert all(p.parent == logs and p.name.startswith("c1-") and p.name.endswith("-dump.log") for p in kept)
+    assert len(set(kept)) == 2 and not list(images.glob("*.log"))
+    # a log dir that cannot be made: the log still leaves the checkpoint
+    (tmp_path / "file").write_text("x")
+    (images / "dump.log").write_text("third\n")
+    assert keep_logs(images, tmp_path / "file" / "sub", "c1") == []
+    assert not list(images.glob("*.log"))
