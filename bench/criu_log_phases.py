@@ -26,7 +26,6 @@ MILESTONES = (
     ("tasks frozen", re.compile(r"freezing processes: \d+ attempts done|freezer\.state=FROZEN|Freezing tasks")),
     ("first task", re.compile(r"Dumping task \(pid")),
     ("first pages", re.compile(r"Dumping pages \(type")),
-    ("pages written", re.compile(r"Transferring pages|page-xfer|Writing image inventory")),
     ("unfreezing", re.compile(r"Unfreezing tasks|Unlock network|Unseizing")),
     ("finished", re.compile(r"Dumping finished successfully|Dump finished")),
 )
@@ -65,6 +64,8 @@ def parse(path: Path, keep_gaps: int = 8) -> Phases:
                     gaps.append((dt, prev[0], prev[1], text))
                     if len(gaps) > 4 * keep_gaps:  # bounded memory on logs of millions of lines
                         gaps = sorted(gaps, reverse=True)[:keep_gaps]
+            if text.startswith("page-xfer:"):
+                out.milestones["last page written"] = t  # the last of them: the pages' end
             prev = (t, text)
             out.total = t
     out.gaps = sorted(gaps, reverse=True)[:keep_gaps]
@@ -74,7 +75,7 @@ def parse(path: Path, keep_gaps: int = 8) -> Phases:
 def report(logs: list[Phases], top_prefixes: int = 10) -> list[str]:
     lines = ["| | " + " | ".join(p.path.name for p in logs) + " |", "|---|" + "---:|" * len(logs)]
     lines.append("| total s (lines) | " + " | ".join(f"{p.total:.3f} ({p.lines})" for p in logs) + " |")
-    for name, _ in MILESTONES:
+    for name in [*(n for n, _ in MILESTONES[:-2]), "last page written", *(n for n, _ in MILESTONES[-2:])]:
         lines.append(f"| {name} at s | " + " | ".join(f"{p.milestones[name]:.3f}" if name in p.milestones else "-" for p in logs) + " |")
     spent: dict[str, float] = defaultdict(float)
     for p in logs:
