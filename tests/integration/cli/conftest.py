@@ -103,13 +103,19 @@ def docker_counter() -> Iterator[str]:
         subprocess.run([DOCKER, "rm", "-f", n], capture_output=True)
 
 
-def wait_numbers(read, at_least: int, timeout: float = 30) -> list[int]:  # type: ignore[no-untyped-def]
+def wait_parsed(read, parse, at_least: int, timeout: float = 30, interval: float = 0.2):  # type: ignore[no-untyped-def]
+    """``parse(read())`` once it has ``at_least`` entries, or as it is when ``timeout`` runs out
+    (the caller's assertion then says what was missing)."""
     deadline = time.monotonic() + timeout
     while True:
-        nums = counter_numbers(read())
-        if len(nums) >= at_least or time.monotonic() > deadline:
-            return nums
-        time.sleep(0.2)
+        got = parse(read())
+        if len(got) >= at_least or time.monotonic() > deadline:
+            return got
+        time.sleep(interval)
+
+
+def wait_numbers(read, at_least: int, timeout: float = 30) -> list[int]:  # type: ignore[no-untyped-def]
+    return wait_parsed(read, counter_numbers, at_least, timeout)
 
 
 def podman_logs(name: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Gs, delete_all
+from .conftest import Gs, delete_all, wait_parsed
 
 pytestmark = pytest.mark.integration
 
@@ -66,14 +66,7 @@ def overlay_gs(gs: Gs) -> Iterator[Gs]:
 
 
 def wait_steps(gs: Gs, name: str, at_least: int, timeout: float = 60) -> dict[int, int]:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        got = steps(gs("logs", name).stdout)
-        if len(got) >= at_least or time.monotonic() > deadline:
-            return got
-        time.sleep(0.3)
+    return wait_parsed(lambda: gs("logs", name).stdout, steps, at_least, timeout, 0.3)  # type: ignore[no-any-return]
 
 
 def test_overlay_rootfs_python_checkpoint_restore_continues(overlay_gs: Gs, tmp_path: Path) -> None:

@@ -11,12 +11,11 @@ the tick after the last one printed before the checkpoint, its state intact.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import pytest
 
-from .conftest import Gs, delete_all
+from .conftest import Gs, delete_all, wait_parsed
 
 pytestmark = pytest.mark.integration
 
@@ -109,12 +108,7 @@ def ticks(text: str) -> dict[int, str]:
 
 
 def wait_ticks(gs: Gs, name: str, at_least: int, timeout: float = 90) -> dict[int, str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = ticks(gs("logs", name).stdout)
-        if len(got) >= at_least or time.monotonic() > deadline:
-            return got
-        time.sleep(0.3)
+    return wait_parsed(lambda: gs("logs", name).stdout, ticks, at_least, timeout, 0.3)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("mode", ["mappings", "files", "threads"])
