@@ -58,7 +58,7 @@ if [ "${GS_GPU_CRI:-0}" != 1 ]; then
   xz -9 -c /usr/bin/docker-registry > "$DEST/.gpu-tools/docker-registry.xz"
 fi
 # With GS_GPU_AB_REGISTRY=BIN a second registry program for bench/e2e.py --ab-registry (a
-# distribution v3 build: bench/build_registry.sh), xz-compressed like the first (51 -> 12 MB).
+# distribution v3 build: bench/build_registry.sh), xz-compressed like the first (52 -> 10 MB).
 rm -f "$DEST/.gpu-tools/ab-registry.xz"
 if [ -n "${GS_GPU_AB_REGISTRY:-}" ]; then
   [ -x "$GS_GPU_AB_REGISTRY" ] || { echo "stage.sh: GS_GPU_AB_REGISTRY=$GS_GPU_AB_REGISTRY is not an executable file (bench/build_registry.sh builds one)" >&2; exit 1; }
