@@ -1086,11 +1086,15 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
             if getattr(env.args, f"ab_{knob}"):
                 r[f"restore_registry_ab_{knob}"] = ab_restores(env, name, last_remote, values, after_timeout(r), 30 + 5 * gb(r["image_bytes"]), knob)
     except Exception as exc:  # record, clean up, go on with the next workload
-        r["error"] = f"{type(exc).__name__}: {exc}"
-        say(f"{w.name}: FAILED: {r['error']}")
+        if isinstance(exc, OutOfTime):  # the --budget the caller gave ran out: a skip, not a failure
+            r["skipped"].append(f"{exc}, and every stage after it")
+            say(f"{w.name}: {exc}, and every stage after it")
+        else:
+            r["error"] = f"{type(exc).__name__}: {exc}"
+            say(f"{w.name}: FAILED: {r['error']}")
         for store in (store_b, store_c):
             logs = measure([*env.gpusnap, "logs", name], env=env.cli_env(store), timeout=60)
-            if logs.rc == 0:
+            if logs.rc == 0 and "error" in r:
                 (env.args.out / f"{w.name}-container.log").write_text(logs.stdout)
             measure([*env.gpusnap, "delete", name], env=env.cli_env(store), timeout=120)
     finally:
