@@ -982,10 +982,10 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         need(env, 30 + 8 * gb(r["image_bytes"]), "the checkpoints")
         reg0 = tree_bytes(reg_data)
         say(f"{w.name}: gpusnap checkpoint --leave-running --push {remote}:1 (empty store, empty repository)")
-        cpu0 = registry_cpu_s(env)
+        cpu0 = registry_cpu_s(env.registry)
         with Pressure() as p1:
             c1 = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{remote}:1", "--insecure", "--json"], env=e_b)
-        reg_cpu = registry_cpu_s(env) - cpu0
+        reg_cpu = registry_cpu_s(env.registry) - cpu0
         r["rss"].append(rss_row("checkpoint --push (1st)", c1))
         c1.check()
         reg1, st1 = tree_bytes(reg_data), tree_bytes(store_b)
@@ -1065,7 +1065,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         need(env, 30 + 5 * gb(r["image_bytes"]), "the restore from the registry")
         e_c = env.cli_env(store_c)
         say(f"{w.name}: gpusnap restore {last_remote} (empty local store)")
-        cpu0 = registry_cpu_s(env)
+        cpu0 = registry_cpu_s(env.registry)
         c4 = measure([*profiler(env, f"restore-registry-{w.name}"), *env.gpusnap, "restore", last_remote, "--insecure", "--json"], env=e_c,
                      timeout=180 if env.args.py_spy else 900)
         r["rss"].append(rss_row("restore (registry)", c4))
@@ -1074,7 +1074,7 @@ def run_workload(env: Env, w: Workload) -> dict[str, Any]:
         r["restore_registry_s"] = nxt[2] - c4.start
         r["restore_registry_cmd_s"] = c4.seconds
         r["restore_registry_timings_s"] = c4.json().get("timings_s", {})
-        r["restore_registry_registry_cpu_s"] = registry_cpu_s(env) - cpu0
+        r["restore_registry_registry_cpu_s"] = registry_cpu_s(env.registry) - cpu0
         time.sleep(2)
         after = [s for s in last_steps(env, name, store_c) if s[2] > c4.start]
         same, differ = values.compare(after)
@@ -1161,17 +1161,17 @@ def ab_registries(env: Env, name: str, workload: str, cost: float) -> list[dict[
             break
         reg = env.alt_registry if alt else env.registry
         store = env.work / f"store-abreg-{i}"
-        pid = reg.proc.pid if reg.proc is not None else 0
         blobs_before = registry_blobs(reg)
-        cpu0 = pid_cpu_s(pid)
+        cpu0 = registry_cpu_s(reg)
         c = measure([*env.gpusnap, "checkpoint", name, "--leave-running", "--push", f"{reg.host}/e2e/{workload}-abreg{i}:1",
                      "--insecure", "--json"], env=env.cli_env(store))
-        cpu = pid_cpu_s(pid) - cpu0
+        cpu = registry_cpu_s(reg) - cpu0
         c.check()
         t = c.json().get("timings_s", {})
         rounds.append({"alt": alt, "seconds": c.seconds, "registry_cpu_s": cpu, "timings_s": t})
         which = "--ab-registry" if alt else "the run's registry"
-        say(f"A/B registry, {which} ({registry_program(reg)}): checkpoint --push {c.seconds:.2f} s, "
+        program = env.results["versions"].get("ab_registry" if alt else "registry", "?")  # its --version, read once at the start
+        say(f"A/B registry, {which} ({program}): checkpoint --push {c.seconds:.2f} s, "
             f"its registry {cpu:.1f} CPU s; " + ", ".join(f"{k.split(': ')[-1]} {t.get(k, 0):.2f}" for k in DUMP_TIMINGS))
         shutil.rmtree(store, ignore_errors=True)
         # Each round pushes the whole image again (a repository of its own, an empty store); the
@@ -1190,15 +1190,6 @@ REGISTRY_REPOS = Path("docker/registry/v2/repositories")
 def registry_blobs(reg: Registry) -> set[Path]:
     """The blob directories of ``reg``'s storage (blobs/sha256/XX/DIGEST)."""
     return set((reg.root / "data" / REGISTRY_BLOBS).glob("*/*/*"))
-
-
-def registry_program(reg: Registry) -> str:
-    """What ``reg`` runs: its program's first --version line (e.g. Debian's 2.8 or a v3 build)."""
-    try:
-        out = subprocess.run([reg.binary or REGISTRY_BIN, "--version"], capture_output=True, text=True, timeout=30)
-        return (out.stdout or out.stderr).strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        return reg.binary or REGISTRY_BIN
 
 
 # What slows CRIU's dump when the store and the uploads run beside it (--ab-dump-beside): each
@@ -1304,10 +1295,15 @@ def pid_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
-def registry_cpu_s(env: Env) -> float:
-    """The local registry's CPU seconds so far: what an upload or a download costs on this host's
+def registry_pid(reg: Registry) -> int:
+    """The registry's process id (0 when it is not running)."""
+    return reg.proc.pid if reg.proc is not None else 0
+
+
+def registry_cpu_s(reg: Registry) -> float:
+    """A local registry's CPU seconds so far: what an upload or a download costs on this host's
     cores beside gpusnap's own work (0.0 if it is not running)."""
-    return pid_cpu_s(env.registry.proc.pid if env.registry.proc is not None else 0)
+    return pid_cpu_s(registry_pid(reg))
 
 
 # -- report ---------------------------------------------------------------------------------------------
@@ -1699,12 +1695,12 @@ def main() -> int:
         floors |= run_floor("sha256", size=fsize)
         floors |= run_floor("disk", size=fsize, directory=str(args.work))
         floors |= run_floor("http", size=fsize, host=registry.host, streams=min(8, os.cpu_count() or 1),
-                            registry_pid=registry.proc.pid if registry.proc is not None else 0)
+                            registry_pid=registry_pid(registry))
         floors |= run_floor("python", gpusnap=gpusnap)
         if args.ab_registry:
             with Registry(alt_root, E2E_PORTS, binary=args.ab_registry) as alt:
                 floors["ab_registry"] = run_floor("http", size=fsize, host=alt.host, streams=min(8, os.cpu_count() or 1),
-                                                  registry_pid=alt.proc.pid if alt.proc is not None else 0)
+                                                  registry_pid=registry_pid(alt))
             shutil.rmtree(alt_root, ignore_errors=True)
         # Whether the registry writes to the disk the stores write to (the one-disk floor below);
         # GPU runs keep it on /dev/shm.
