@@ -106,13 +106,14 @@ class Container:
 
     def __init__(
         self, stack: Stack, *, nprocs: int = 1, gb: float = 1, via_shim: bool = True, inject: bool = False, sleep: float = 0.01,
-        mode: str | None = None, gpus: int = 1, visible: str = "all",
+        mode: str | None = None, gpus: int = 1, visible: str = "all", env: dict[str, str] | None = None,
     ) -> None:
         self.stack = stack
         self.id = unique("ctr")
         self.nprocs, self.gb, self.via_shim, self.inject, self.sleep = nprocs, gb, via_shim, inject, sleep
         self.gpus, self.visible = gpus, visible
         self.mode = mode or stack.mode
+        self.extra_env = dict(env or {})  # more of the worker's environment (LOADER_START=spawn)
         self.dir = stack.base / self.id
         self.bundle = self.dir / "bundle"
         self.rootfs = self.bundle / "rootfs"
@@ -140,6 +141,7 @@ class Container:
         ]
         if self.gpus != 1:
             env.append(f"WORKER_GPUS={self.gpus}")
+        env.extend(f"{k}={v}" for k, v in self.extra_env.items())
         launch = " ".join(
             f"env {'GPUSNAP_STANDIN_CUDA=' + t + ' GPUSNAP_STANDIN_GPU_MB=' + str(int(self.gb * 1024)) if self.stack.mode == 'cpu' else ''} "
             f"{sys.executable} /data/gpu_worker.py /data/out{i} &"
@@ -150,7 +152,7 @@ class Container:
         spec["hostname"] = self.id[:63]
         spec["linux"]["namespaces"] = [n for n in spec["linux"]["namespaces"] if n["type"] != "network"]
         spec["mounts"].append({"destination": "/data", "source": str(self.data), "type": "bind", "options": ["rbind", "rw"]})
-        if self.mode in ("cuda", "managed"):
+        if self.mode in ("cuda", "managed", "loader"):
             if self.inject:
                 env.append(f"NVIDIA_VISIBLE_DEVICES={self.visible}")
             else:

@@ -41,22 +41,22 @@ REF_STOP = int(os.environ.get("GS_GPU_REF_STOP", "6000"))
 
 class References:
     """Reference runs of the worker, started early in the background and shared by all tests;
-    one per (GiB, number of GPUs)."""
+    one per (GiB, number of GPUs, worker mode)."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.threads: dict[tuple[float, int], threading.Thread] = {}
-        self.results: dict[tuple[float, int], dict[int, int]] = {}
-        self.errors: dict[tuple[float, int], BaseException] = {}
+        self.threads: dict[tuple[float, int, str], threading.Thread] = {}
+        self.results: dict[tuple[float, int, str], dict[int, int]] = {}
+        self.errors: dict[tuple[float, int, str], BaseException] = {}
 
-    def start(self, gb: float, gpus: int = 1) -> None:
-        key = (gb, gpus)
+    def start(self, gb: float, gpus: int = 1, mode: str = "cuda") -> None:
+        key = (gb, gpus, mode)
         if key in self.threads:
             return
 
         def work() -> None:
             try:
-                self.results[key] = reference("cuda", gb, REF_STOP, self.workdir, gpus=gpus)
+                self.results[key] = reference(mode, gb, REF_STOP, self.workdir, gpus=gpus)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the test that needs it
                 self.errors[key] = exc
 
@@ -64,9 +64,9 @@ class References:
         t.start()
         self.threads[key] = t
 
-    def get(self, gb: float, gpus: int = 1) -> dict[int, int]:
-        key = (gb, gpus)
-        self.start(gb, gpus)
+    def get(self, gb: float, gpus: int = 1, mode: str = "cuda") -> dict[int, int]:
+        key = (gb, gpus, mode)
+        self.start(gb, gpus, mode)
         self.threads[key].join()
         if key in self.errors:
             raise self.errors[key]

@@ -17,6 +17,7 @@ from gpu_harness import MULTI_GPU_GB, Container, assert_matches, host_gpus, smal
 from gpusnap.gpu.base import ProcessGpuState
 from gpusnap.gpu.nvidia import NvidiaBackend
 from gpusnap.gpu.suspend import resume, suspend
+from gpusnap.gpu.unsupported import nvidia_holdings
 
 GB = 8
 GIB = 1 << 30
@@ -252,3 +253,71 @@ def test_restore_onto_another_gpu(stack, refs, images, containers, backend, repo
     root = f"/proc/{pids[0]}/root"
     assert os.path.exists(root + new_node) and not os.path.exists(root + old_node), os.listdir(root + "/dev")
     assert os.stat(root + new_node).st_rdev == os.stat(new_node).st_rdev
+
+
+def nvidia_files(pid: int) -> tuple[list[str], int]:
+    """The NVIDIA device files a process has open, and how many of its mappings are of one."""
+    return nvidia_holdings(Path("/proc"), pid)
+
+
+def test_dataloader_workers_forked_after_cuda_refused_before_anything_changes(stack, refs, images, containers, backend, report):
+    """A training loop as PyTorch users write it (tests/gpu_worker.py, mode loader): DataLoader
+    workers forked after CUDA started hold the driver's device files, open and mapped, but no
+    CUDA context, which CRIU cannot save. Refused (exit 10) before the GPU state moves; the loop
+    goes on bit for bit."""
+    gb = 2
+    refs.start(gb, mode="loader")
+    c = Container(stack, gb=gb, mode="loader")
+    containers.append(c)
+    c.start()
+    c.wait_step(100)
+    pids = c.worker_pids()
+    cuda = [p.host_pid for p in backend.find_processes(pids)]
+    forked = {p: nvidia_files(p) for p in pids if p not in cuda}
+    assert len(cuda) == 1 and len(forked) >= 2, f"one CUDA process and its loader workers expected: {pids}, CUDA {cuda}"
+    assert all(files or maps for files, maps in forked.values()), f"the forked workers hold no NVIDIA files: {forked}"
+    run = c.checkpoint(images)
+    assert run.rc == 10, run.stderr  # ExitCode.UNSUPPORTED
+    assert "NVIDIA device files" in run.stderr and "spawn" in run.stderr and "nothing was changed" in run.stderr, run.stderr
+    assert c.state()["status"] == "running" and [backend.state(p) for p in cuda] == [ProcessGpuState.RUNNING]
+    assert c.worker_pids() == pids
+    at = c.last_step()
+    c.wait_step(at + 100)
+    assert not [line for line in c.out() if line.startswith("FAIL")], c.out()[-5:]
+    n = assert_matches(c.lines(), refs.get(gb, mode="loader"), after=at)
+    report(test="DataLoader workers forked after CUDA: refused (exit 10), still running", gib=gb, procs=len(pids), checkpoint_s=round(run.seconds, 2),
+           steps_compared=n, loader_worker_nvidia_files=sum(len(f) for f, _ in forked.values()), loader_worker_nvidia_maps=sum(m for _, m in forked.values()))
+
+
+def test_dataloader_workers_spawned_bit_exact(stack, refs, images, containers, backend, report):
+    """The same training loop with its DataLoader workers started by spawn (what the refusal
+    above advises): workers, pinned batches in flight, the CUDA graph, the side stream and the
+    helper thread are checkpointed, deleted and restored, and the loop goes on bit for bit."""
+    gb = 2
+    refs.start(gb, mode="loader")
+    c = Container(stack, gb=gb, mode="loader", env={"LOADER_START": "spawn"})
+    containers.append(c)
+    c.start()
+    c.wait_step(100)
+    everyone = c.host_pids()
+    cuda = [p.host_pid for p in backend.find_processes(everyone)]
+    others = [p for p in everyone if p not in cuda]
+    assert len(cuda) == 1 and len(others) >= 3, f"the shell, the loader's workers and its resource tracker expected: {everyone}, CUDA {cuda}"
+    assert not any(any(nvidia_files(p)) for p in others), {p: nvidia_files(p) for p in others}
+    run = c.checkpoint(images)
+    assert run.rc == 0, run.stderr + criu_log_tail(images / "dump.log")
+    meta = json.loads((images / "gpusnap.json").read_text())
+    assert len(meta["processes"]) == 1 and meta["processes"][0]["gpu_memory_bytes"] >= gb * GIB, meta["processes"]
+    before = c.last_step()
+    c.delete()
+    rst = c.restore(images)
+    assert rst.rc == 0, rst.stderr + criu_log_tail(images / "restore.log")
+    after = c.host_pids()
+    assert len(after) == len(everyone), f"restored {after}, checkpointed {everyone}"
+    assert [backend.state(p.host_pid) for p in backend.find_processes(after)] == [ProcessGpuState.RUNNING]
+    c.wait_step(before + 100)
+    assert not [line for line in c.out() if line.startswith("FAIL")], c.out()[-5:]
+    n = assert_matches(c.lines(), refs.get(gb, mode="loader"), after=before)
+    report(test="DataLoader workers spawned, pinned batches, CUDA graph, helper thread (2 GiB)", gib=gb, procs=len(everyone),
+           checkpoint_s=round(run.seconds, 2), restore_s=round(rst.seconds, 2), steps_compared=n,
+           gpu_lock_s=meta["timings_s"]["gpu_lock"], gpu_to_host_s=meta["timings_s"]["gpu_checkpoint"], criu_dump_s=meta["timings_s"]["criu_dump"])

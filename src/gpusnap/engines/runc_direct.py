@@ -47,6 +47,7 @@ from gpusnap.engines.base import (
 )
 from gpusnap.errors import (
     CheckpointError,
+    ExitCode,
     GpusnapError,
     MissingDependencyError,
     NotFoundError,
@@ -60,6 +61,10 @@ from gpusnap.metadata import GATE_ALL, GATE_ENV, GATE_PAGES, GATE_ROOTFS, GATE_S
 from gpusnap.steps import Beside, Step, background, run_steps
 
 NAME = "runc-direct"
+# Exit codes with which gpusnap-runtime refuses a checkpoint before anything changed (or after
+# putting everything back), passed on as they are: `gpusnap checkpoint` of a workload the CUDA
+# checkpoint API cannot take exits 10, as the runtime did, not 6 as a failed dump.
+RUNTIME_REFUSALS = frozenset({ExitCode.INCOMPATIBLE, ExitCode.MISSING_DEPENDENCY, ExitCode.UNSUPPORTED})
 BUNDLE_RECORD = "runc-direct.json"
 BUSYBOX_ROOTFS = "busybox"  # the default root filesystem: a static busybox tree
 OVERLAY_ROOTFS = "overlay"  # an overlay over RuncDirectRecord.overlay_lower (see mount_overlay)
@@ -804,15 +809,19 @@ class RuncDirectEngine(EngineBase):
         if proc.returncode != 0 and early is not None:
             early.cancel()
         if proc.returncode != 0:
-            logs = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name)))
-            for log in dest.glob("*.log"):  # kept for the user; the images go
-                shutil.move(str(log), logs / log.name)
+            kept = list(dest.glob("*.log"))
+            logs = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name))) if kept else None
+            for log in kept:  # kept for the user; the images go
+                shutil.move(str(log), logs / log.name)  # type: ignore[operator]
             detail = _last_error_line(proc.stderr)
-            if not detail or "criu failed" in detail:  # runc's own line names no cause
+            if logs is not None and (not detail or "criu failed" in detail):  # runc's own line names no cause
                 detail = _criu_log_tail(logs)
             shutil.rmtree(dest, ignore_errors=True)
             still = "still runs" if self.is_running(container) else "is no longer running"
-            raise CheckpointError(f"could not checkpoint {rec.name}: {detail}; the container {still} (CRIU logs: {logs})")
+            message = f"could not checkpoint {rec.name}: {detail.removeprefix('gpusnap-runtime: ')}; the container {still}"
+            if self.runtime_name() == "gpusnap-runtime" and proc.returncode in RUNTIME_REFUSALS:
+                raise GpusnapError(message, exit_code=ExitCode(proc.returncode))
+            raise CheckpointError(message + (f" (CRIU logs: {logs})" if logs is not None else ""))
         try:
             packed = early is not None and early.finish()
         except (CheckpointError, OSError):

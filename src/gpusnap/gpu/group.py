@@ -17,6 +17,7 @@ from gpusnap.errors import CheckpointError, GpusnapError, RollbackError, Unsuppo
 from gpusnap.gpu.base import GpuBackend, ProcessGone, ProcessGpuState
 from gpusnap.gpu.compat import pairs_for
 from gpusnap.gpu.procs import container_pids
+from gpusnap.gpu.unsupported import bystanders_reason
 from gpusnap.metadata import GpuInfo, GpuProcess
 
 
@@ -34,9 +35,12 @@ class GpuGroup:
     # -- discovery -----------------------------------------------------------------------------
     @classmethod
     def of_container(
-        cls, backend: GpuBackend, host: HostPaths, init_pid: int, pids: list[int] | None = None, *, expect: ProcessGpuState = ProcessGpuState.RUNNING
+        cls, backend: GpuBackend, host: HostPaths, init_pid: int, pids: list[int] | None = None, *, expect: ProcessGpuState = ProcessGpuState.RUNNING,
+        refuse_bystanders: bool = False,
     ) -> "GpuGroup":
-        """Find the GPU processes among the container's PIDs; refuse unsupported ones up front."""
+        """Find the GPU processes among the container's PIDs; refuse unsupported ones up front.
+        With ``refuse_bystanders`` (a checkpoint, which CRIU follows) also refuse the container
+        when one of its other processes holds NVIDIA device files."""
         # The cgroup's processes (what the shim saw) and the PID namespace's: a process that left
         # the cgroup, or one the cgroup listing missed, is still part of the cut.
         found = set(pids or [])
@@ -51,6 +55,11 @@ class GpuGroup:
             if state != expect:
                 hint = "run `gpusnap resume` first" if state == ProcessGpuState.CHECKPOINTED else "wait for the other checkpoint to end"
                 raise CheckpointError(f"GPU process {p.ns_pid} (host PID {p.host_pid}) is {state.value}, expected {expect.value}; {hint}")
+        if refuse_bystanders:
+            cuda = {p.host_pid for p in procs}
+            reason = bystanders_reason(host.proc, sorted(found - cuda))
+            if reason:
+                raise UnsupportedError(f"{reason}; nothing was changed")
         return cls(backend=backend, procs=procs)
 
     def gpus(self) -> list[GpuInfo]:

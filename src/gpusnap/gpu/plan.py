@@ -56,7 +56,7 @@ class CudaPlan:
 
         def find() -> int:
             run.started = self.clock()
-            group = GpuGroup.of_container(self.backend, self.settings.host, ref.init_pid, ref.cgroup_procs or None)
+            group = GpuGroup.of_container(self.backend, self.settings.host, ref.init_pid, ref.cgroup_procs or None, refuse_bystanders=True)
             group.clock = self.clock
             run.group = group
             meta.gpu_backend = self.backend.name

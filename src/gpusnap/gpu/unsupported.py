@@ -10,6 +10,8 @@ What is detected and how (each seen on the lent H200, driver 580.159.04):
 - MPS: a client reaches the MPS daemon through the pipe directory (``CUDA_MPS_PIPE_DIRECTORY``,
   default ``/tmp/nvidia-mps``). If an MPS daemon runs on the host and the process can see its
   ``control`` socket through its own root, its GPU work goes through MPS.
+- Device files held outside CUDA: a process the driver knows no CUDA context of, but which has
+  NVIDIA device files open or mapped (a child forked after CUDA started, an NVML-only tool).
 - MIG: the process is pointed at a MIG instance (``MIG-`` in ``CUDA_VISIBLE_DEVICES`` or
   ``NVIDIA_VISIBLE_DEVICES``); the backend also refuses GPUs whose MIG mode is on (NVML).
 """
@@ -24,6 +26,7 @@ from gpusnap.config import HostPaths
 from gpusnap.gpu.procs import _pid_dirs, comm, environ
 
 UVM_DEVICE = "/dev/nvidia-uvm"
+NVIDIA_DEVICES = "/dev/nvidia"  # every node the driver makes: nvidiactl, nvidiaN, nvidia-uvm, nvidia-caps/...
 _GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
 MPS_COMMS = ("nvidia-cuda-mps",)  # comm is cut at 15 characters: control and server both match
 
@@ -53,20 +56,66 @@ def open_gpu_nodes(proc: Path, pid: int) -> set[str]:
     return out
 
 
-def uses_nvidia_devices(proc: Path, pid: int) -> bool:
-    """True when the process has an NVIDIA device node open (a CUDA process, whatever its state)."""
+def nvidia_holdings(proc: Path, pid: int) -> tuple[list[str], int]:
+    """The NVIDIA device files ``pid`` has open (each name once, sorted) and how many of its
+    memory mappings are of one."""
     fd_dir = proc / str(pid) / "fd"
     try:
         names = os.listdir(fd_dir)
     except OSError:
-        return False
+        names = []
+    files: set[str] = set()
     for name in names:
         try:
-            if os.readlink(fd_dir / name).startswith("/dev/nvidia"):
-                return True
+            target = os.readlink(fd_dir / name)
         except OSError:
             continue
-    return False
+        if target.startswith(NVIDIA_DEVICES):
+            files.add(target)
+    try:
+        maps = (proc / str(pid) / "maps").read_text()
+    except OSError:
+        maps = ""
+    # A maps line is "range perms offset dev inode path"; the path is the sixth field.
+    mapped = sum(1 for line in maps.splitlines() if (f := line.split(None, 5)) and len(f) == 6 and f[5].startswith(NVIDIA_DEVICES))
+    return sorted(files), mapped
+
+
+def uses_nvidia_devices(proc: Path, pid: int) -> bool:
+    """True when the process has an NVIDIA device node open (a CUDA process, whatever its state)."""
+    return bool(nvidia_holdings(proc, pid)[0])
+
+
+def bystanders_reason(proc: Path, pids: list[int]) -> str | None:
+    """Why processes that are not CUDA processes (``pids``, as the driver told) stop a
+    checkpoint: any of them holding NVIDIA device files, open or mapped, or None.
+
+    The checkpoint API releases a CUDA process's device files; a process without a CUDA
+    context keeps its own, and CRIU can save neither a device file nor a mapping of one (seen on
+    the lent H200: a PyTorch DataLoader worker forked after CUDA started holds 38 of them and 33
+    mappings, and CRIU fails with "Can't handle non-regular mapping"). Refused up front instead
+    of after the GPU state has been moved out and back."""
+    held = {pid: h for pid in pids if (h := nvidia_holdings(proc, pid))[0] or h[1]}
+    if not held:
+        return None
+    first = min(held)
+    files = sorted({f for fs, _ in held.values() for f in fs})
+    mapped = sum(m for _, m in held.values())
+    others = len(held) - 1
+    who = f"host PID {first} ({comm(proc, first)})"
+    if others:
+        who += f" and {others} other process{'es' if others > 1 else ''} of the container hold"
+    else:
+        who += " of the container holds"
+    what = [", ".join(files[:3]) + (", ..." if len(files) > 3 else "")] if files else []
+    if mapped:
+        what.append(f"{mapped} device mapping{'s' if mapped > 1 else ''}")
+    return (
+        f"{who} NVIDIA device files ({'; '.join(what)}) but no CUDA context the driver can checkpoint, and CRIU cannot save "
+        "them: a process forked from a CUDA process after CUDA started (a PyTorch DataLoader worker) inherits them; start such "
+        "workers with spawn or forkserver (DataLoader(multiprocessing_context=\"spawn\")), or end processes that only use NVML "
+        "(nvidia-smi), then checkpoint again"
+    )
 
 
 def managed_memory_reason(proc: Path, pid: int) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,46 @@ def test_gpu_checkpoint_refused_on_other_gpu_model_then_restored(gs: Gs, registr
     finally:
         for n in (name, name + "-restored"):
             gs("delete", n, check=False)
+
+
+# The shell holds "GPU state"; a child started without the stand-in's marker holds a file under
+# /dev/nvidia open, as a PyTorch DataLoader worker forked after CUDA started holds the driver's
+# device files (seen on the GPU machine, where CRIU then fails on them after the GPU state was
+# moved out); it ends once /tmp/worker-done exists.
+GPU_WITH_BYSTANDER = (
+    "touch /dev/nvidia-standin0; "
+    "env -u GPUSNAP_STANDIN_CUDA sh -c 'exec 7</dev/nvidia-standin0; while [ ! -e /tmp/worker-done ]; do sleep 0.2; done' & "
+    + GPU_COUNTER
+)
+
+
+def test_gpu_checkpoint_refused_while_another_process_holds_nvidia_files(gs: Gs, tmp_path: Path) -> None:
+    standin = tmp_path / "standin"
+    standin.mkdir()
+    (standin / "gpus.json").write_text(gpus("NVIDIA H200"))
+    gs.env["GPUSNAP_GPU_BACKEND"] = f"standin:{standin}"
+    name = unique("gpu-fork")
+    gs("run", name, "--env", f"GPUSNAP_STANDIN_CUDA={name}", "--", "sh", "-c", GPU_WITH_BYSTANDER)
+    try:
+        wait_numbers(lambda: gs("logs", name).stdout, 3)
+        before = snapshot(gs)
+        line = one_line_error(gs("checkpoint", name, "--leave-running", check=False), ExitCode.UNSUPPORTED)
+        assert "of the container hold NVIDIA device files (/dev/nvidia-standin0)" in line, line  # the shell and its sleep
+        assert 'multiprocessing_context="spawn"' in line and "nothing was changed; the container still runs" in line, line
+        assert snapshot(gs) == before
+        assert not (standin / "calls.log").exists(), "the driver was not called"
+        counted = wait_numbers(lambda: gs("logs", name).stdout, 1)
+        assert wait_numbers(lambda: gs("logs", name).stdout, len(counted) + 2)[-1] > counted[-1], "still counting"
+
+        # Once the process holding the file has ended, the same container checkpoints.
+        (pid,) = [r["pid"] for r in gs.json("ps") if r["name"] == name]  # type: ignore[union-attr,index]
+        Path(f"/proc/{pid}/root/tmp/worker-done").touch()
+        deadline = time.monotonic() + 20
+        while (proc := gs("checkpoint", name, "--leave-running", check=False)).returncode == int(ExitCode.UNSUPPORTED):
+            assert time.monotonic() < deadline, proc.stderr
+            time.sleep(0.3)
+        assert proc.returncode == 0, proc.stderr
+        calls = [c.split()[0] for c in (standin / "calls.log").read_text().split("\n") if c]
+        assert calls == ["lock", "checkpoint", "restore", "unlock"]
+    finally:
+        gs("delete", name, check=False)

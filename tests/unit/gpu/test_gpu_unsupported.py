@@ -1,13 +1,19 @@
-"""Detecting managed memory, MPS and MIG from /proc (a fake /proc tree shaped like the real one)."""
+"""Detecting managed memory, MPS, MIG and device files held outside CUDA from /proc (a fake /proc
+tree shaped like the real one)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import pytest
+
 from gpusnap.config import HostPaths
+from gpusnap.errors import ExitCode, UnsupportedError
+from gpusnap.gpu.group import GpuGroup
 from gpusnap.gpu.procs import container_pids, host_pid_by_ns_pid
-from gpusnap.gpu.unsupported import managed_memory_reason, mig_env_reason, mps_reason
+from gpusnap.gpu.standin import MEM_ENV, TOKEN_ENV, StandinBackend
+from gpusnap.gpu.unsupported import bystanders_reason, managed_memory_reason, mig_env_reason, mps_reason, nvidia_holdings
 
 PLAIN_MAPS = """\
 7f0000000000-7f0000200000 rw-s 00000000 00:05 1034 /dev/nvidia-uvm
@@ -66,3 +72,74 @@ def test_container_pids_follow_the_pid_namespace(fake):
     assert len(pids) == 4 and init in pids
     by_ns = host_pid_by_ns_pid(HostPaths(), pids)
     assert sorted(by_ns) == [1, 2, 3, 4] and by_ns[1] == init
+
+
+# -- processes that hold NVIDIA device files without a CUDA context -------------------------------
+# What the lent H200 showed for a PyTorch DataLoader worker forked after CUDA started: the
+# parent's device files (nvidiactl, nvidiaN, nvidia-uvm, nvidia-caps) and its shared mappings of
+# them, inherited; the driver knows no CUDA context of the worker.
+FORKED_MAPS = """\
+00400000-00401000 r--p 00000000 fd:01 4242 /usr/bin/python3.12
+200600000-200800000 rw-s 00000000 00:21 14 /dev/nvidia0
+7f1000000000-7f1000200000 rw-s 00000000 00:05 1029 /dev/nvidiactl
+7f4000000000-7f4000010000 rw-p 00000000 00:00 0 
+7f5000000000-7f5000001000 r--s 00000000 00:05 77 /dev/shm/torch_1 (deleted)
+"""
+
+
+def bystander(root: Path, pid: int, targets: list[str], maps: str, name: str = "python3") -> None:
+    d = root / "proc" / str(pid)
+    (d / "fd").mkdir(parents=True)
+    for i, target in enumerate(targets):
+        os.symlink(target, d / "fd" / str(3 + i))
+    (d / "maps").write_text(maps)
+    (d / "environ").write_bytes(b"PATH=/usr/bin")
+    (d / "comm").write_text(name + "\n")
+
+
+def test_holdings_count_files_once_and_mappings(tmp_path):
+    bystander(tmp_path, 200, ["/dev/nvidia0", "/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-caps/nvidia-cap1", "/dev/null", "pipe:[5]"], FORKED_MAPS)
+    assert nvidia_holdings(tmp_path / "proc", 200) == (["/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia0", "/dev/nvidiactl"], 2)
+    assert nvidia_holdings(tmp_path / "proc", 999) == ([], 0)  # gone: nothing held
+
+
+def test_no_bystanders_no_reason(tmp_path):
+    bystander(tmp_path, 200, ["/dev/null", "socket:[9]"], "00400000-00401000 r--p 00000000 fd:01 4242 /usr/bin/python3.12\n")
+    assert bystanders_reason(tmp_path / "proc", [200]) is None
+    assert bystanders_reason(tmp_path / "proc", []) is None
+
+
+def test_a_forked_worker_is_named_with_what_it_holds_and_what_to_do(tmp_path):
+    bystander(tmp_path, 201, ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-caps/nvidia-cap2"], FORKED_MAPS, "pt_data_worker")
+    reason = bystanders_reason(tmp_path / "proc", [201])
+    assert reason is not None and "\n" not in reason
+    assert reason.startswith("host PID 201 (pt_data_worker) of the container holds NVIDIA device files (")
+    assert "/dev/nvidia-caps/nvidia-cap2, /dev/nvidia-uvm, /dev/nvidia0, ...; 2 device mappings)" in reason
+    assert "forked" in reason and 'multiprocessing_context="spawn"' in reason and "nvidia-smi" in reason
+
+
+def test_several_holders_are_counted_and_mappings_alone_count(tmp_path):
+    bystander(tmp_path, 300, [], FORKED_MAPS)  # its files closed, its mappings still there
+    bystander(tmp_path, 301, ["/dev/nvidiactl"], "")  # an NVML-only tool
+    bystander(tmp_path, 302, [], "")
+    reason = bystanders_reason(tmp_path / "proc", [302, 301, 300])
+    assert reason is not None
+    assert reason.startswith("host PID 300 (python3) and 1 other process of the container hold NVIDIA device files (/dev/nvidiactl; 2 device mappings)")
+    only_maps = bystanders_reason(tmp_path / "proc", [300])
+    assert only_maps is not None and "device files (2 device mappings)" in only_maps
+
+
+def test_checkpoint_group_refuses_bystanders_before_any_call(tmp_path):
+    """The GPU step of a checkpoint: a CUDA process and a forked worker; refused before the
+    stand-in driver sees a call. A suspend (no CRIU) takes the same container."""
+    host = fake_proc(tmp_path, 100, PLAIN_MAPS, env={TOKEN_ENV: "tok-100", MEM_ENV: "64"})
+    bystander(tmp_path, 101, ["/dev/nvidia0", "/dev/nvidiactl"], FORKED_MAPS)
+    bystander(tmp_path, 102, ["/dev/null"], "")
+    backend = StandinBackend(tmp_path / "standin", host=host)
+    with pytest.raises(UnsupportedError) as err:
+        GpuGroup.of_container(backend, host, 0, [100, 101, 102], refuse_bystanders=True)
+    assert err.value.exit_code == ExitCode.UNSUPPORTED
+    assert "host PID 101 (python3) of the container holds" in str(err.value) and str(err.value).endswith("; nothing was changed")
+    assert not (tmp_path / "standin" / "calls.log").exists() or not (tmp_path / "standin" / "calls.log").read_text().strip()
+    group = GpuGroup.of_container(backend, host, 0, [100, 101, 102])
+    assert [p.host_pid for p in group.procs] == [100]
