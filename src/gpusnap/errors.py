@@ -25,7 +25,7 @@ class ExitCode(IntEnum):
     RESTORE_FAILED = 7  # restore failed; nothing was left half-restored
     REGISTRY = 8  # registry unreachable, auth refused, network error
     INTEGRITY = 9  # a digest or size did not match, an archive entry was unsafe
-    UNSUPPORTED = 10  # the workload uses something that cannot be checkpointed (UVM, MPS, MIG)
+    UNSUPPORTED = 10  # the workload uses something that cannot be checkpointed (UVM, MPS, MIG, device files outside CUDA)
     ROLLBACK_FAILED = 11  # a failure could not be fully undone: the message says what is left
 
 
