@@ -1594,6 +1594,8 @@ def main() -> int:
     ap.add_argument("--train-second-checkpoint", action="store_true", help="also a second checkpoint of the training run")
     ap.add_argument("--train-store-only", action="store_true", help="also a checkpoint without --push of the training run (the store's own speed)")
     ap.add_argument("--server-compile", default="reduce-overhead", choices=["reduce-overhead", "default", "none"])
+    ap.add_argument("--server-keep-compile-workers", action="store_true",
+                    help="the server leaves inductor's compile processes running (in every checkpoint) instead of stopping them once warm")
     ap.add_argument("--floor-gib", type=float, default=0, help="bytes for each floor (default 1 GiB CPU, 4 GiB GPU)")
     ap.add_argument("--ab-criu-before-pages", action="store_true",
                     help="after the restore from the registry, three more: CRIU started before the pages are whole (GPUSNAP_CRIU_BEFORE_PAGES=1), not, and again")
@@ -1717,7 +1719,8 @@ def main() -> int:
         c = measure([wpy, str(workloads / "gpt2_server.py"), "setup", str(weights), *tiny], timeout=600)
         say(c.stdout.strip() or c.stderr.strip()[-1000:])
     catalog = {
-        "server": Workload("server", [wpy, str(workloads / "gpt2_server.py"), "serve", str(weights), "--compile", args.server_compile], args.gpu, 900, 5,
+        "server": Workload("server", [wpy, str(workloads / "gpt2_server.py"), "serve", str(weights), "--compile", args.server_compile,
+                                     *(["--keep-compile-workers"] if args.server_keep_compile_workers else [])], args.gpu, 900, 5,
                            growth_target=10.0, cold_start_target=10.0, bare_running=3),
         # Training changes all its state every step: a second checkpoint says nothing new, and its
         # minutes are better spent on the restores within one 10-minute run.

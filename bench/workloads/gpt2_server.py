@@ -27,6 +27,26 @@ import sys  # noqa: E402
 LARGE = dict(n_embd=1280, n_layer=36, n_head=20, n_positions=1024)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc's children lists)."""
+    todo, found = [pid], []
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:  # ended meanwhile
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    kids = [int(c) for c in fh.read().split()]
+            except OSError:
+                kids = []
+            found += kids
+            todo += kids
+    return found
+
+
 def setup(out: str, small: bool) -> int:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -42,7 +62,7 @@ def setup(out: str, small: bool) -> int:
     return 0
 
 
-def serve(path: str, mode: str, batch: int, window: int, sleep: float) -> int:
+def serve(path: str, mode: str, batch: int, window: int, sleep: float, keep_compile_workers: bool = False) -> int:
     import torch
     from transformers import GPT2LMHeadModel
 
@@ -79,15 +99,20 @@ def serve(path: str, mode: str, batch: int, window: int, sleep: float) -> int:
         if device == "cuda":
             torch.cuda.synchronize()
         # Compiling is done: stop inductor's pool of compile processes, as a server that has
-        # warmed up would (they would otherwise sit in every checkpoint).
+        # warmed up would (they would otherwise sit in every checkpoint). With
+        # --keep-compile-workers they stay, as in a server that never stops them: processes
+        # started by fork + exec, which hold none of the driver's files (bench/children_probe.py).
         workers = "none"
-        try:
-            from torch._inductor.async_compile import shutdown_compile_workers
+        if keep_compile_workers:
+            workers = f"kept ({len(_descendants(os.getpid()))} processes)"
+        else:
+            try:
+                from torch._inductor.async_compile import shutdown_compile_workers
 
-            shutdown_compile_workers()
-            workers = "stopped"
-        except Exception as exc:  # an older or newer torch without it: say so, keep serving
-            workers = f"kept ({type(exc).__name__})"
+                shutdown_compile_workers()
+                workers = "stopped"
+            except Exception as exc:  # an older or newer torch without it: say so, keep serving
+                workers = f"kept ({type(exc).__name__})"
         graphs = "off"
         if compiled == "reduce-overhead" and device == "cuda":
             from torch._dynamo.utils import counters
@@ -116,13 +141,14 @@ def main() -> int:
     v = sub.add_parser("serve")
     v.add_argument("dir")
     v.add_argument("--compile", default="reduce-overhead", choices=["reduce-overhead", "default", "none"])
+    v.add_argument("--keep-compile-workers", action="store_true", help="leave inductor's compile processes running once warm")
     v.add_argument("--batch", type=int, default=4)
     v.add_argument("--window", type=int, default=128)
     v.add_argument("--sleep", type=float, default=0.02)
     args = ap.parse_args()
     if args.cmd == "setup":
         return setup(args.dir, args.small)
-    return serve(args.dir, args.compile, args.batch, args.window, args.sleep)
+    return serve(args.dir, args.compile, args.batch, args.window, args.sleep, args.keep_compile_workers)
 
 
 if __name__ == "__main__":
