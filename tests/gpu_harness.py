@@ -152,7 +152,7 @@ class Container:
         spec["hostname"] = self.id[:63]
         spec["linux"]["namespaces"] = [n for n in spec["linux"]["namespaces"] if n["type"] != "network"]
         spec["mounts"].append({"destination": "/data", "source": str(self.data), "type": "bind", "options": ["rbind", "rw"]})
-        if self.mode in ("cuda", "managed", "loader"):
+        if self.mode in ("cuda", "managed", "loader", "compiled"):
             if self.inject:
                 env.append(f"NVIDIA_VISIBLE_DEVICES={self.visible}")
             else:

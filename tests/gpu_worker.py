@@ -13,6 +13,8 @@ restored run can be checked against a fresh reference run.
   starts them afresh instead), pinned batches, a CUDA graph, a side
   stream, a second host thread on its own stream and allocator churn, besides ``GB`` GiB of
   ballast; a self-check that fails writes ``FAIL ...`` and exits 3.
+- ``WORKER_MODE=compiled``: a torch.compile'd step with inductor's compile processes running
+  until a file ``stop-compile-workers`` appears beside OUT (then stopped, and a line says so).
 - ``WORKER_MODE=cpu``: a pure-Python generator, for CI hosts without a GPU (driver stand-in).
 
 ``STOP=N`` ends at step N; ``SLEEP`` seconds between steps (default 0.01).
@@ -177,6 +179,37 @@ def main() -> None:
             total = 0
             for x in [ballast, acc, static_y, *model.parameters()]:
                 total = (total << 64) + one_value(x.detach())
+            return total
+
+    elif mode == "compiled":
+        # A torch.compile'd step, as a compiled server runs it, with inductor's pool of compile
+        # processes left running (its default), until ``stop-compile-workers`` appears next to
+        # OUT: then the pool is stopped, as a server may do once warm, and a line says so.
+        import torch
+
+        torch.manual_seed(0)
+        ballast = torch.rand(int(float(os.environ.get("GB", "1")) * (1 << 28)), device="cuda")
+        a = torch.rand(512, 512, device="cuda")
+        b = torch.randn(512, 512, device="cuda") / 32
+        fn = torch.compile(lambda x, y: torch.tanh(x @ y) * 0.5 + x * 0.5)
+        stop_file = os.path.join(os.path.dirname(os.path.abspath(out_path)), "stop-compile-workers")
+        stopped = [False]
+
+        def step() -> None:
+            a.copy_(fn(a, b))
+            ballast.mul_(1.0000001).add_(1e-7)
+            if not stopped[0] and os.path.exists(stop_file):
+                from torch._inductor.async_compile import shutdown_compile_workers
+
+                shutdown_compile_workers()
+                stopped[0] = True
+                emit("compile workers stopped")
+
+        def value() -> int:
+            torch.cuda.synchronize()
+            total = 0
+            for x in (ballast, a):
+                total = (total << 64) + sum(int(c.sum(dtype=torch.int64).item()) for c in x.view(torch.int32).split(1 << 24))
             return total
 
     elif mode == "managed":

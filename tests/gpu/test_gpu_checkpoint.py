@@ -321,3 +321,40 @@ def test_dataloader_workers_spawned_bit_exact(stack, refs, images, containers, b
     report(test="DataLoader workers spawned, pinned batches, CUDA graph, helper thread (2 GiB)", gib=gb, procs=len(everyone),
            checkpoint_s=round(run.seconds, 2), restore_s=round(rst.seconds, 2), steps_compared=n,
            gpu_lock_s=meta["timings_s"]["gpu_lock"], gpu_to_host_s=meta["timings_s"]["gpu_checkpoint"], criu_dump_s=meta["timings_s"]["criu_dump"])
+
+
+def test_torch_compile_workers_refused_then_stopped_and_checkpointed(stack, refs, images, containers, backend, report):
+    """A torch.compile'd workload that leaves inductor's compile pool running (its default):
+    the pool read the GPU's properties and forked, so its processes hold the driver's files;
+    refused (exit 10) with the way out for that pool. Once the workload stops its pool, the
+    same container is checkpointed, deleted and restored, and goes on bit for bit."""
+    gb = 1
+    refs.start(gb, mode="compiled")
+    c = Container(stack, gb=gb, mode="compiled")
+    containers.append(c)
+    c.start(ready_timeout=400)
+    c.wait_step(50)
+    everyone = c.host_pids()
+    holders = {p: nvidia_files(p) for p in everyone if p not in [g.host_pid for g in backend.find_processes(everyone)]}
+    holders = {p: h for p, h in holders.items() if h[0] or h[1]}
+    run = c.checkpoint(images)
+    assert run.rc == 10, run.stderr
+    assert "torch.compile's compile workers" in run.stderr and "shutdown_compile_workers()" in run.stderr, run.stderr
+    assert c.state()["status"] == "running"
+    (c.data / "stop-compile-workers").touch()
+    deadline = time.monotonic() + 60
+    while "compile workers stopped" not in c.out():
+        assert time.monotonic() < deadline, c.out()[-5:]
+        time.sleep(0.1)
+    time.sleep(1)  # the pool's processes exit
+    ck = c.checkpoint(images)
+    assert ck.rc == 0, ck.stderr + criu_log_tail(images / "dump.log")
+    before = c.last_step()
+    c.delete()
+    rst = c.restore(images)
+    assert rst.rc == 0, rst.stderr + criu_log_tail(images / "restore.log")
+    c.wait_step(before + 100)
+    n = assert_matches(c.lines(), refs.get(gb, mode="compiled"), after=before)
+    report(test="torch.compile workers running: refused (exit 10); stopped: checkpoint, delete, restore (1 GiB)", gib=gb, procs=len(everyone),
+           checkpoint_s=round(ck.seconds, 2), restore_s=round(rst.seconds, 2), steps_compared=n, holders=len(holders),
+           holder_nvidia_maps=sum(m for _, m in holders.values()))

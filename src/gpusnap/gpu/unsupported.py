@@ -93,8 +93,9 @@ def bystanders_reason(proc: Path, pids: list[int]) -> str | None:
     The checkpoint API releases a CUDA process's device files; a process without a CUDA
     context keeps its own, and CRIU can save neither a device file nor a mapping of one (seen on
     the lent H200: a PyTorch DataLoader worker forked after CUDA started holds 38 of them and 33
-    mappings, and CRIU fails with "Can't handle non-regular mapping"). Refused up front instead
-    of after the GPU state has been moved out and back."""
+    mappings, and CRIU fails with "Can't handle non-regular mapping"; so do the 16 processes of
+    torch.compile's compile-worker pool left running in a compiled server). Refused up front
+    instead of after the GPU state has been moved out and back."""
     held = {pid: h for pid in pids if (h := nvidia_holdings(proc, pid))[0] or h[1]}
     if not held:
         return None
@@ -110,12 +111,34 @@ def bystanders_reason(proc: Path, pids: list[int]) -> str | None:
     what = [", ".join(files[:3]) + (", ..." if len(files) > 3 else "")] if files else []
     if mapped:
         what.append(f"{mapped} device mapping{'s' if mapped > 1 else ''}")
+    inductor = [pid for pid in held if _is_inductor_worker(proc, pid)]
+    ways = []
+    if inductor:
+        ways.append(
+            f"{len(inductor)} of them are torch.compile's compile workers (inductor's pool, which reads the GPU's properties "
+            "and then forks): stop them once warm (torch._inductor.async_compile.shutdown_compile_workers()) or compile "
+            "in-process (TORCHINDUCTOR_COMPILE_THREADS=1)"
+        )
+    if len(inductor) < len(held):
+        ways.append(
+            "a process forked from a CUDA process after CUDA started (a PyTorch DataLoader worker) inherits them: start such "
+            "workers with spawn or forkserver (DataLoader(multiprocessing_context=\"spawn\")); end processes that only use "
+            "NVML (nvidia-smi)"
+        )
     return (
         f"{who} NVIDIA device files ({'; '.join(what)}) but no CUDA context the driver can checkpoint, and CRIU cannot save "
-        "them: a process forked from a CUDA process after CUDA started (a PyTorch DataLoader worker) inherits them; start such "
-        "workers with spawn or forkserver (DataLoader(multiprocessing_context=\"spawn\")), or end processes that only use NVML "
-        "(nvidia-smi), then checkpoint again"
+        f"them: {'; '.join(ways)}; then checkpoint again"
     )
+
+
+def _is_inductor_worker(proc: Path, pid: int) -> bool:
+    # PyTorch's compile worker runs torch/_inductor/compile_worker (by path or with -m) and forks
+    # its pool from there, so its workers show the same command line.
+    try:
+        cmd = (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"_inductor/compile_worker" in cmd or b"_inductor.compile_worker" in cmd
 
 
 def managed_memory_reason(proc: Path, pid: int) -> str | None:

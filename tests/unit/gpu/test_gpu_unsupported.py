@@ -143,3 +143,21 @@ def test_checkpoint_group_refuses_bystanders_before_any_call(tmp_path):
     assert not (tmp_path / "standin" / "calls.log").exists() or not (tmp_path / "standin" / "calls.log").read_text().strip()
     group = GpuGroup.of_container(backend, host, 0, [100, 101, 102])
     assert [p.host_pid for p in group.procs] == [100]
+
+
+def test_torch_compile_workers_get_their_own_way_out(tmp_path):
+    """A compiled server that left inductor's pool running (seen on the H200: 16 of its 17
+    processes held the driver's files): the message says how to stop that pool; a DataLoader
+    worker beside it still gets the spawn advice."""
+    worker = b"/opt/venv/bin/python3\0/opt/venv/lib/python3.12/site-packages/torch/_inductor/compile_worker/__main__.py\0--workers=16\0"
+    for pid in (400, 401):
+        bystander(tmp_path, pid, ["/dev/nvidiactl", "/dev/nvidia0"], FORKED_MAPS)
+        (tmp_path / "proc" / str(pid) / "cmdline").write_bytes(worker)
+    only = bystanders_reason(tmp_path / "proc", [400, 401])
+    assert only is not None and "\n" not in only
+    assert "2 of them are torch.compile's compile workers" in only and "shutdown_compile_workers()" in only and "TORCHINDUCTOR_COMPILE_THREADS=1" in only
+    assert "DataLoader" not in only and only.endswith("; then checkpoint again")
+    bystander(tmp_path, 402, ["/dev/nvidia0"], "")
+    (tmp_path / "proc" / "402" / "cmdline").write_bytes(b"python3\0train.py\0")
+    both = bystanders_reason(tmp_path / "proc", [400, 401, 402])
+    assert both is not None and "2 of them are torch.compile's compile workers" in both and 'multiprocessing_context="spawn"' in both
