@@ -334,11 +334,11 @@ def test_torch_compile_workers_refused_then_stopped_and_checkpointed(stack, refs
     containers.append(c)
     c.start(ready_timeout=400)
     c.wait_step(50)
-    everyone = c.host_pids()
-    holders = {p: nvidia_files(p) for p in everyone if p not in [g.host_pid for g in backend.find_processes(everyone)]}
-    holders = {p: h for p, h in holders.items() if h[0] or h[1]}
     run = c.checkpoint(images)
     assert run.rc == 10, run.stderr
+    everyone = c.host_pids()  # the pool forks its workers some time after the first compile: counted now
+    holders = {p: nvidia_files(p) for p in everyone if p not in [g.host_pid for g in backend.find_processes(everyone)]}
+    holders = {p: h for p, h in holders.items() if h[0] or h[1]}
     assert "torch.compile's compile workers" in run.stderr and "shutdown_compile_workers()" in run.stderr, run.stderr
     assert c.state()["status"] == "running"
     (c.data / "stop-compile-workers").touch()
