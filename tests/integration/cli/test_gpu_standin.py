@@ -28,13 +28,20 @@ def gpus(model: str) -> str:
                         "memory_free_bytes": 150 << 30, "mig_enabled": False, "driver_version": "580.159.04", "cuda_version": "13.0"}])
 
 
-def test_gpu_checkpoint_refused_on_other_gpu_model_then_restored(gs: Gs, registry: str, tmp_path: Path) -> None:
+def start_gpu_container(gs: Gs, tmp_path: Path, kind: str, script: str) -> tuple[Path, str]:
+    """A runc-direct container whose shell the stand-in driver (an H200) treats as a CUDA
+    process, counting; returns the stand-in's directory and the container's name."""
     standin = tmp_path / "standin"
     standin.mkdir()
     (standin / "gpus.json").write_text(gpus("NVIDIA H200"))
     gs.env["GPUSNAP_GPU_BACKEND"] = f"standin:{standin}"
-    name = unique("gpu")
-    gs("run", name, "--env", f"GPUSNAP_STANDIN_CUDA={name}", "--", "sh", "-c", GPU_COUNTER)
+    name = unique(kind)
+    gs("run", name, "--env", f"GPUSNAP_STANDIN_CUDA={name}", "--", "sh", "-c", script)
+    return standin, name
+
+
+def test_gpu_checkpoint_refused_on_other_gpu_model_then_restored(gs: Gs, registry: str, tmp_path: Path) -> None:
+    standin, name = start_gpu_container(gs, tmp_path, "gpu", GPU_COUNTER)
     try:
         wait_numbers(lambda: gs("logs", name).stdout, 3)
         ref = f"{registry}/{name}:v1"
@@ -82,12 +89,7 @@ GPU_WITH_BYSTANDER = (
 
 
 def test_gpu_checkpoint_refused_while_another_process_holds_nvidia_files(gs: Gs, tmp_path: Path) -> None:
-    standin = tmp_path / "standin"
-    standin.mkdir()
-    (standin / "gpus.json").write_text(gpus("NVIDIA H200"))
-    gs.env["GPUSNAP_GPU_BACKEND"] = f"standin:{standin}"
-    name = unique("gpu-fork")
-    gs("run", name, "--env", f"GPUSNAP_STANDIN_CUDA={name}", "--", "sh", "-c", GPU_WITH_BYSTANDER)
+    standin, name = start_gpu_container(gs, tmp_path, "gpu-fork", GPU_WITH_BYSTANDER)
     try:
         wait_numbers(lambda: gs("logs", name).stdout, 3)
         before = snapshot(gs)
