@@ -334,11 +334,20 @@ def test_torch_compile_workers_refused_then_stopped_and_checkpointed(stack, refs
     containers.append(c)
     c.start(ready_timeout=400)
     c.wait_step(50)
+
+    def holders() -> dict[int, tuple[list[str], int]]:
+        everyone = c.host_pids()
+        cuda = [g.host_pid for g in backend.find_processes(everyone)]
+        return {p: h for p in everyone if p not in cuda and ((h := nvidia_files(p))[0] or h[1])}
+
+    # The pool starts beside the first compile and forks its workers seconds later (a checkpoint
+    # in between fails in CRIU, and is named the same way after the rollback): wait for them.
+    deadline = time.monotonic() + 120
+    while not (held := holders()):
+        assert time.monotonic() < deadline, "inductor's compile pool never took the driver's files"
+        time.sleep(0.5)
     run = c.checkpoint(images)
     assert run.rc == 10, run.stderr
-    everyone = c.host_pids()  # the pool forks its workers some time after the first compile: counted now
-    holders = {p: nvidia_files(p) for p in everyone if p not in [g.host_pid for g in backend.find_processes(everyone)]}
-    holders = {p: h for p, h in holders.items() if h[0] or h[1]}
     assert "torch.compile's compile workers" in run.stderr and "shutdown_compile_workers()" in run.stderr, run.stderr
     assert c.state()["status"] == "running"
     (c.data / "stop-compile-workers").touch()
@@ -355,6 +364,6 @@ def test_torch_compile_workers_refused_then_stopped_and_checkpointed(stack, refs
     assert rst.rc == 0, rst.stderr + criu_log_tail(images / "restore.log")
     c.wait_step(before + 100)
     n = assert_matches(c.lines(), refs.get(gb, mode="compiled"), after=before)
-    report(test="torch.compile workers running: refused (exit 10); stopped: checkpoint, delete, restore (1 GiB)", gib=gb, procs=len(everyone),
-           checkpoint_s=round(ck.seconds, 2), restore_s=round(rst.seconds, 2), steps_compared=n, holders=len(holders),
-           holder_nvidia_maps=sum(m for _, m in holders.values()))
+    report(test="torch.compile workers running: refused (exit 10); stopped: checkpoint, delete, restore (1 GiB)", gib=gb, procs=len(c.host_pids()),
+           checkpoint_s=round(ck.seconds, 2), restore_s=round(rst.seconds, 2), steps_compared=n, holders=len(held),
+           holder_nvidia_maps=sum(m for _, m in held.values()))

@@ -124,7 +124,11 @@ def checkpoint(call: RuncCall, settings: Settings, plan: GpuPlan | None = None) 
     def dump() -> None:
         rc = run_runc(call.runc, args, env=env).returncode
         if rc != 0:
-            raise RuncFailed("runc checkpoint", rc, call.work_dir())
+            work = call.work_dir()
+            failure = plan.dump_failure(ref, first_error(work))
+            if failure is not None:
+                raise failure
+            raise RuncFailed("runc checkpoint", rc, work)
 
     from gpusnap.checkpoint.recovery import heal, is_suspended, operation_lock
 

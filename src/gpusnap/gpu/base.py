@@ -116,6 +116,10 @@ class GpuPlan(Protocol):
     def after_restore(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
         """Map restored processes to their new host PIDs, restore GPU state and unlock."""
 
+    def dump_failure(self, ref: ContainerRef, criu_error: str | None) -> Exception | None:
+        """What a failed dump (CRIU's first error: ``criu_error``) was about, when the plan can
+        tell better than runc: an error to raise instead of runc's own, or None."""
+
 
 class NoGpuPlan:
     """The plan for hosts or containers without GPU state: nothing to splice."""
@@ -131,3 +135,6 @@ class NoGpuPlan:
 
     def after_restore(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata | None) -> list[Step]:
         return []
+
+    def dump_failure(self, ref: ContainerRef, criu_error: str | None) -> Exception | None:
+        return None

@@ -19,15 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap.config import HostPaths, Settings
-from gpusnap.errors import IncompatibleHostError, MissingDependencyError, RestoreError, UsageError
+from gpusnap.errors import IncompatibleHostError, MissingDependencyError, RestoreError, UnsupportedError, UsageError
 from gpusnap.gpu.base import ContainerRef, GpuBackend, GpuPlan, NoGpuPlan, ProcessGpuState
 from gpusnap.gpu.group import GpuGroup
 from gpusnap.gpu.compat import check_host
 from gpusnap.gpu.procs import container_pids, host_pid_by_ns_pid
 from gpusnap.gpu.selection import assigned_gpus
-from gpusnap.gpu.unsupported import uses_nvidia_devices
+from gpusnap.gpu.unsupported import bystanders_reason, uses_nvidia_devices
 from gpusnap.metadata import CheckpointMetadata, GpuProcess, merge_restore_timings
 from gpusnap.steps import Step
+
+
+# CRIU's first error when it met a device file (an fd or a mapping) it cannot save.
+DEVICE_FILE_ERRORS = ("non-regular mapping", "handle_device_vma", "Can't dump file")
 
 
 @dataclass
@@ -88,6 +92,21 @@ class CudaPlan:
             Step("gpu: lock GPU processes", lock, undo_lock),
             Step("gpu: checkpoint GPU state to host memory", checkpoint, undo_checkpoint),
         ]
+
+    def dump_failure(self, ref: ContainerRef, criu_error: str | None) -> Exception | None:
+        """CRIU failed on a device file or mapping and a process other than the checkpointed
+        CUDA processes holds NVIDIA device files now: one that took them after the check before
+        the GPU steps (torch.compile's pool forks its workers some seconds after the first
+        compile). Named as that check names it, rather than as CRIU's bare error."""
+        if not criu_error or not any(k in criu_error for k in DEVICE_FILE_ERRORS):
+            return None
+        host = self.settings.host
+        pids = set(ref.cgroup_procs) | (set(container_pids(host, ref.init_pid)) if ref.init_pid > 0 else set())
+        cuda = {p.host_pid for p in self._ckpt.group.procs} if self._ckpt.group is not None else set()
+        reason = bystanders_reason(host.proc, sorted(pids - cuda))
+        if reason is None:
+            return None
+        return UnsupportedError(f"{reason}; they took them while the checkpoint ran, and CRIU failed on them (CRIU: {criu_error})")
 
     def after_dump(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata, leave_running: bool) -> list[Step]:
         run = self._ckpt

@@ -13,7 +13,7 @@ import pytest
 
 from gpusnap.checkpoint.runtime_steps import RuncCall, checkpoint, failure_exit_code, restore
 from gpusnap.config import HostPaths, Settings
-from gpusnap.errors import ExitCode
+from gpusnap.errors import ExitCode, UnsupportedError
 from gpusnap.gpu.base import ContainerRef
 from gpusnap.metadata import CheckpointMetadata
 from gpusnap.runc.argv import parse
@@ -40,6 +40,10 @@ class RecordingPlan:
 
     def _step(self, name: str, undo: bool = True) -> Step:
         return Step(name, lambda: self.events.append(name), (lambda: self.events.append(f"undo {name}")) if undo else None)
+
+    def dump_failure(self, ref: ContainerRef, criu_error: str | None) -> Exception | None:
+        self.events.append(f"dump failed: {criu_error}")
+        return None
 
     def before_dump(self, ref: ContainerRef, image_dir: Path, meta: CheckpointMetadata) -> list[Step]:
         self.events.append(f"pids {ref.init_pid}")
@@ -110,9 +114,27 @@ def test_failed_runc_checkpoint_rolls_back_gpu_and_keeps_runc_status(rig, tmp_pa
     events: list[str] = []
     with pytest.raises(StepFailed) as err:
         checkpoint(call(["checkpoint", "--image-path", "img", "c1"], FAKE_RC="7"), settings, RecordingPlan(events))
-    assert events == ["pids 4242", "gpu lock", "gpu checkpoint", "undo gpu checkpoint", "undo gpu lock"]
+    assert events == ["pids 4242", "gpu lock", "gpu checkpoint", "dump failed: None", "undo gpu checkpoint", "undo gpu lock"]
     assert failure_exit_code(err.value, ExitCode.CHECKPOINT_FAILED) == 7
     assert not (tmp_path / "img" / "gpusnap.json").exists()
+
+
+class ExplainingPlan(RecordingPlan):
+    """A plan that can tell what the failed dump was about (as CudaPlan does for device files)."""
+
+    def dump_failure(self, ref: ContainerRef, criu_error: str | None) -> Exception | None:
+        super().dump_failure(ref, criu_error)
+        return UnsupportedError("host PID 7 holds NVIDIA device files; nothing was changed")
+
+
+def test_failed_dump_the_plan_explains_rolls_back_with_the_plans_error(rig, tmp_path: Path) -> None:
+    settings, call, log, _ = rig
+    events: list[str] = []
+    with pytest.raises(StepFailed) as err:
+        checkpoint(call(["checkpoint", "--image-path", "img", "c1"], FAKE_RC="1"), settings, ExplainingPlan(events))
+    assert events == ["pids 4242", "gpu lock", "gpu checkpoint", "dump failed: None", "undo gpu checkpoint", "undo gpu lock"]
+    assert failure_exit_code(err.value, ExitCode.CHECKPOINT_FAILED) == ExitCode.UNSUPPORTED
+    assert "holds NVIDIA device files" in str(err.value)
 
 
 def test_unknown_container_lets_runc_answer(rig, tmp_path: Path) -> None:
@@ -371,5 +393,5 @@ def test_failed_dump_of_paused_container_undoes_gpu_steps_thawed(rig, tmp_path: 
     events: list[str] = []
     with pytest.raises(StepFailed):
         checkpoint(call(["checkpoint", "--image-path", "img", "c1"], FAKE_RC="3"), settings, FreezeAwarePlan(events, tmp_path))
-    assert events == ["pids 4242", "gpu lock (running)", "gpu checkpoint (running)", "undo gpu checkpoint (running)", "undo gpu lock (running)"]
+    assert events == ["pids 4242", "gpu lock (running)", "gpu checkpoint (running)", "dump failed: None", "undo gpu checkpoint (running)", "undo gpu lock (running)"]
     assert (tmp_path / "status").read_text().strip() == "paused"

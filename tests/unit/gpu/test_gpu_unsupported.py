@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.config import HostPaths
+from gpusnap.config import HostPaths, Settings
 from gpusnap.errors import ExitCode, UnsupportedError
+from gpusnap.gpu.base import ContainerRef
 from gpusnap.gpu.group import GpuGroup
+from gpusnap.gpu.plan import CudaPlan
+from gpusnap.metadata import CheckpointMetadata
 from gpusnap.gpu.procs import container_pids, host_pid_by_ns_pid
 from gpusnap.gpu.standin import MEM_ENV, TOKEN_ENV, StandinBackend
 from gpusnap.gpu.unsupported import bystanders_reason, managed_memory_reason, mig_env_reason, mps_reason, nvidia_holdings
@@ -161,3 +164,24 @@ def test_torch_compile_workers_get_their_own_way_out(tmp_path):
     (tmp_path / "proc" / "402" / "cmdline").write_bytes(b"python3\0train.py\0")
     both = bystanders_reason(tmp_path / "proc", [400, 401, 402])
     assert both is not None and "2 of them are torch.compile's compile workers" in both and 'multiprocessing_context="spawn"' in both
+
+
+def test_a_dump_that_failed_on_device_files_names_who_took_them(tmp_path):
+    """CRIU failed on a device mapping: the processes other than the checkpointed CUDA ones
+    that hold NVIDIA files now are named (a pool that forked after the check before the GPU
+    steps); any other CRIU error, or nobody holding such files, leaves runc's own error."""
+    host = fake_proc(tmp_path, 100, PLAIN_MAPS, env={TOKEN_ENV: "tok-100", MEM_ENV: "64"})
+    bystander(tmp_path, 102, ["/dev/null"], "")
+    plan = CudaPlan(StandinBackend(tmp_path / "standin", host=host), Settings(host=host))
+    ref = ContainerRef(container_id="c1", init_pid=0, bundle=tmp_path, cgroup_procs=[100, 101, 102])
+    find = plan.before_dump(ref, tmp_path, CheckpointMetadata(container_id="c1", created=""))[0]
+    assert find.name == "gpu: find GPU processes" and find.do() == 1  # nobody else holds any yet
+    vma = "handle_device_vma plugin failed: No such file or directory"
+    assert plan.dump_failure(ref, vma) is None  # the CUDA process's own files do not count
+    bystander(tmp_path, 101, ["/dev/nvidiactl"], FORKED_MAPS)
+    err = plan.dump_failure(ref, vma)
+    assert isinstance(err, UnsupportedError) and err.exit_code == ExitCode.UNSUPPORTED
+    assert str(err).startswith("host PID 101 (python3) of the container holds NVIDIA device files (/dev/nvidiactl; 2 device mappings)")
+    assert str(err).endswith(f"they took them while the checkpoint ran, and CRIU failed on them (CRIU: {vma})")
+    assert plan.dump_failure(ref, "Can't dump file 36 of that type [20666] (chr 195:255)") is not None
+    assert plan.dump_failure(ref, "Connection refused") is None and plan.dump_failure(ref, None) is None
