@@ -8,13 +8,14 @@ engine's own bookkeeping right (podman's and docker's container lists, runc-dire
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpusnap.errors import MissingDependencyError
+from gpusnap.errors import ExitCode, GpusnapError, MissingDependencyError
 
 # The packaging forms (see gpusnap.packaging.api): what an engine's checkpoint path holds.
 FORM_CRIU_DIR = "criu-dir"  # a CRIU image directory (runc-direct: plus the bundle record)
@@ -143,3 +144,34 @@ def rfc3339_now() -> str:
     from datetime import datetime, timezone
 
     return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+# Exit codes with which gpusnap-runtime refuses a checkpoint before anything changed (or after
+# putting everything back): a workload the CUDA checkpoint API cannot take (10), a host that
+# cannot (4), a missing tool (5). `gpusnap checkpoint` exits as the runtime did, whichever engine
+# ran it, instead of 6 as for a failed dump.
+RUNTIME_REFUSALS = frozenset({ExitCode.INCOMPATIBLE, ExitCode.MISSING_DEPENDENCY, ExitCode.UNSUPPORTED})
+_RUNTIME_LINE = re.compile(r"gpusnap-runtime: (.+)")
+_EXIT_STATUS = re.compile(r"exit status (\d+)")
+
+
+def runtime_refusal(output: str, status: int | None = None) -> tuple[ExitCode, str] | None:
+    """gpusnap-runtime's own refusal inside what an engine printed about a failed runtime call:
+    its exit status (``status``, or the last "exit status N" of the output, as podman and
+    dockerd put it) when that is a refusal, and the runtime's message (its "gpusnap-runtime: "
+    line, without that prefix). None for any other failure."""
+    if status is None:
+        found = _EXIT_STATUS.findall(output)
+        status = int(found[-1]) if found else None
+    line = _RUNTIME_LINE.search(output)
+    if status not in RUNTIME_REFUSALS or line is None:
+        return None
+    # dockerd puts the runtime's output on one line with containerd's suffix " path= <log>: unknown".
+    return ExitCode(status), line.group(1).split(" path= ", 1)[0].strip()
+
+
+def refusal_error(what: str, refusal: tuple[ExitCode, str], left: str) -> GpusnapError:
+    """The error for a runtime refusal: ``what`` (who could not do what), the runtime's reason,
+    ``left`` (what state things are in), with the runtime's exit code."""
+    code, reason = refusal
+    return GpusnapError(f"{what}: {reason}; {left}", exit_code=code)

@@ -26,6 +26,8 @@ from gpusnap.engines.base import (
     EngineBase,
     EngineCheckpoint,
     RestoreOptions,
+    refusal_error,
+    runtime_refusal,
 )
 from gpusnap.errors import CheckpointError, MissingDependencyError, NotFoundError, RestoreError, UsageError
 
@@ -136,6 +138,9 @@ class DockerEngine(EngineBase):
             api._raise_for_status(resp)
         except docker.errors.APIError as exc:
             shutil.rmtree(staging, ignore_errors=True)
+            refusal = runtime_refusal(str(exc))
+            if refusal is not None:  # containerd's runc shim: "exit status N: <the runtime's output>"
+                raise refusal_error(f"docker could not checkpoint {container.name}", refusal, "the container was left as it was") from None
             raise CheckpointError(
                 f"docker could not checkpoint {container.name}: {_one_line(exc)}; the container was left as it was"
                 " (docker needs \"experimental\": true in daemon.json and CRIU on dockerd's PATH)"

@@ -21,6 +21,8 @@ from gpusnap.engines.base import (
     EngineCheckpoint,
     RestoreOptions,
     find_executable,
+    refusal_error,
+    runtime_refusal,
 )
 from gpusnap.errors import CheckpointError, MissingDependencyError, NotFoundError, RestoreError
 
@@ -98,6 +100,9 @@ class PodmanEngine(EngineBase):
         proc = self._run(*args, container.id)
         if proc.returncode != 0:
             dest.unlink(missing_ok=True)
+            refusal = runtime_refusal(proc.stderr or "")
+            if refusal is not None:  # podman prints the runtime's line, then "... failed: exit status N"
+                raise refusal_error(f"podman could not checkpoint {container.name}", refusal, "the container was left as it was")
             raise CheckpointError(
                 f"podman could not checkpoint {container.name}: {_first_line(proc.stderr)}; "
                 "the container was left as it was (see `podman logs` and `gpusnap doctor`)"

@@ -43,11 +43,12 @@ from gpusnap.engines.base import (
     EngineBase,
     EngineCheckpoint,
     RestoreOptions,
+    refusal_error,
     rfc3339_now,
+    runtime_refusal,
 )
 from gpusnap.errors import (
     CheckpointError,
-    ExitCode,
     GpusnapError,
     MissingDependencyError,
     NotFoundError,
@@ -61,10 +62,6 @@ from gpusnap.metadata import GATE_ALL, GATE_ENV, GATE_PAGES, GATE_ROOTFS, GATE_S
 from gpusnap.steps import Beside, Step, background, run_steps
 
 NAME = "runc-direct"
-# Exit codes with which gpusnap-runtime refuses a checkpoint before anything changed (or after
-# putting everything back), passed on as they are: `gpusnap checkpoint` of a workload the CUDA
-# checkpoint API cannot take exits 10, as the runtime did, not 6 as a failed dump.
-RUNTIME_REFUSALS = frozenset({ExitCode.INCOMPATIBLE, ExitCode.MISSING_DEPENDENCY, ExitCode.UNSUPPORTED})
 BUNDLE_RECORD = "runc-direct.json"
 BUSYBOX_ROOTFS = "busybox"  # the default root filesystem: a static busybox tree
 OVERLAY_ROOTFS = "overlay"  # an overlay over RuncDirectRecord.overlay_lower (see mount_overlay)
@@ -818,10 +815,10 @@ class RuncDirectEngine(EngineBase):
                 detail = _criu_log_tail(logs)
             shutil.rmtree(dest, ignore_errors=True)
             still = "still runs" if self.is_running(container) else "is no longer running"
-            message = f"could not checkpoint {rec.name}: {detail.removeprefix('gpusnap-runtime: ')}; the container {still}"
-            if self.runtime_name() == "gpusnap-runtime" and proc.returncode in RUNTIME_REFUSALS:
-                raise GpusnapError(message, exit_code=ExitCode(proc.returncode))
-            raise CheckpointError(message + (f" (CRIU logs: {logs})" if logs is not None else ""))
+            refusal = runtime_refusal(proc.stderr or "", proc.returncode) if self.runtime_name() == "gpusnap-runtime" else None
+            if refusal is not None:
+                raise refusal_error(f"could not checkpoint {rec.name}", refusal, f"the container {still}")
+            raise CheckpointError(f"could not checkpoint {rec.name}: {detail}; the container {still}" + (f" (CRIU logs: {logs})" if logs is not None else ""))
         try:
             packed = early is not None and early.finish()
         except (CheckpointError, OSError):

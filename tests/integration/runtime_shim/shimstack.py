@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -85,17 +86,24 @@ def _docker_runtimes() -> dict[str, object]:
     return json.loads(run([DOCKER, "info", "--format", "{{json .Runtimes}}"]).stdout)
 
 
-@pytest.fixture
-def docker_runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Shim]]:
-    """A dockerd runtime entry named gs-shim-..., pointing at a wrapper; removed afterwards."""
+@contextlib.contextmanager
+def registered_docker_runtime(base: Path, extra: Mapping[str, str] | None = None) -> Iterator[tuple[str, Shim]]:
+    """A dockerd runtime entry named gs-shim-..., pointing at a wrapper under ``base`` with
+    ``extra`` GPUSNAP_* settings; removed afterwards."""
     name = unique("rt")
-    shim = make_shim(tmp_path_factory.mktemp(name), name)
+    shim = Shim.at(base, name, extra)
     _edit_runtimes(lambda rts: rts.__setitem__(name, {"path": str(shim.wrapper)}))
     try:
         wait_for(lambda: name in _docker_runtimes(), f"dockerd to load runtime {name}")
         yield name, shim
     finally:
         _edit_runtimes(lambda rts: rts.pop(name, None))
+
+
+@pytest.fixture
+def docker_runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Shim]]:
+    with registered_docker_runtime(tmp_path_factory.mktemp("rt")) as registered:
+        yield registered
 
 
 @pytest.fixture
