@@ -146,10 +146,12 @@ def rfc3339_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-# Exit codes with which gpusnap-runtime refuses a checkpoint before anything changed (or after
-# putting everything back): a workload the CUDA checkpoint API cannot take (10), a host that
-# cannot (4), a missing tool (5). `gpusnap checkpoint` exits as the runtime did, whichever engine
-# ran it, instead of 6 as for a failed dump.
+# Exit codes with which gpusnap-runtime refuses a checkpoint or restore before anything changed
+# (or after putting everything back): a workload the CUDA checkpoint API cannot take (10), a host
+# that cannot take the checkpoint (4), a missing tool (5). `gpusnap checkpoint` and `restore`
+# exit as the runtime did, whichever engine ran it, instead of 6 or 7 as for a failed dump or
+# restore (a restore is checked by the CLI first; the runtime's check is the one left when the
+# engine's container is given other GPUs than the CLI saw).
 RUNTIME_REFUSALS = frozenset({ExitCode.INCOMPATIBLE, ExitCode.MISSING_DEPENDENCY, ExitCode.UNSUPPORTED})
 _RUNTIME_LINE = re.compile(r"gpusnap-runtime: (.+)")
 _EXIT_STATUS = re.compile(r"exit status (\d+)")

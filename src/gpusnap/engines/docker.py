@@ -191,6 +191,9 @@ class DockerEngine(EngineBase):
             except docker.errors.APIError:
                 pass
             if isinstance(exc, docker.errors.APIError):
+                refusal = runtime_refusal(str(exc))
+                if refusal is not None:  # the runtime's host check (exit 4 or 5): said as it said it
+                    raise refusal_error(f"docker could not restore {name}", refusal, "nothing was left behind") from None
                 raise RestoreError(f"docker could not restore {name}: {_one_line(exc)}; nothing was left behind") from None
             raise
         info = self.get(cid)

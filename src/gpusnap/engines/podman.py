@@ -117,6 +117,9 @@ class PodmanEngine(EngineBase):
             args.append("--tcp-established")
         proc = self._run(*args)
         if proc.returncode != 0:
+            refusal = runtime_refusal(proc.stderr or "")
+            if refusal is not None:  # the runtime's host check (exit 4 or 5): said as it said it
+                raise refusal_error("podman could not restore the checkpoint", refusal, "nothing was started")
             raise RestoreError(f"podman could not restore the checkpoint: {_first_line(proc.stderr)}; nothing was started")
         new_id = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else (opts.name or "")
         info = self.get(new_id)
