@@ -109,16 +109,6 @@ def test_checkpoint_runs_plan_around_runc(rig, tmp_path: Path) -> None:
     assert all(v >= 0 for v in meta.timings_s.values())
 
 
-def test_failed_runc_checkpoint_rolls_back_gpu_and_keeps_runc_status(rig, tmp_path: Path) -> None:
-    settings, call, log, _ = rig
-    events: list[str] = []
-    with pytest.raises(StepFailed) as err:
-        checkpoint(call(["checkpoint", "--image-path", "img", "c1"], FAKE_RC="7"), settings, RecordingPlan(events))
-    assert events == ["pids 4242", "gpu lock", "gpu checkpoint", "dump failed: None", "undo gpu checkpoint", "undo gpu lock"]
-    assert failure_exit_code(err.value, ExitCode.CHECKPOINT_FAILED) == 7
-    assert not (tmp_path / "img" / "gpusnap.json").exists()
-
-
 class ExplainingPlan(RecordingPlan):
     """A plan that can tell what the failed dump was about (as CudaPlan does for device files)."""
 
@@ -127,14 +117,18 @@ class ExplainingPlan(RecordingPlan):
         return UnsupportedError("host PID 7 holds NVIDIA device files; nothing was changed")
 
 
-def test_failed_dump_the_plan_explains_rolls_back_with_the_plans_error(rig, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("plan", "runc_rc", "code"), [(RecordingPlan, "7", 7), (ExplainingPlan, "1", ExitCode.UNSUPPORTED)],
+                         ids=["runc's status kept", "the plan's explanation"])
+def test_failed_runc_checkpoint_rolls_back_gpu(rig, tmp_path: Path, plan: type[RecordingPlan], runc_rc: str, code: int) -> None:
     settings, call, log, _ = rig
     events: list[str] = []
     with pytest.raises(StepFailed) as err:
-        checkpoint(call(["checkpoint", "--image-path", "img", "c1"], FAKE_RC="1"), settings, ExplainingPlan(events))
+        checkpoint(call(["checkpoint", "--image-path", "img", "c1"], FAKE_RC=runc_rc), settings, plan(events))
     assert events == ["pids 4242", "gpu lock", "gpu checkpoint", "dump failed: None", "undo gpu checkpoint", "undo gpu lock"]
-    assert failure_exit_code(err.value, ExitCode.CHECKPOINT_FAILED) == ExitCode.UNSUPPORTED
-    assert "holds NVIDIA device files" in str(err.value)
+    assert failure_exit_code(err.value, ExitCode.CHECKPOINT_FAILED) == code
+    assert not (tmp_path / "img" / "gpusnap.json").exists()
+    if plan is ExplainingPlan:
+        assert "holds NVIDIA device files" in str(err.value)
 
 
 def test_unknown_container_lets_runc_answer(rig, tmp_path: Path) -> None:
