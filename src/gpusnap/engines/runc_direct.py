@@ -806,10 +806,12 @@ class RuncDirectEngine(EngineBase):
         if proc.returncode != 0 and early is not None:
             early.cancel()
         if proc.returncode != 0:
+            logs = None  # none when CRIU never ran (the runtime refused first)
             kept = list(dest.glob("*.log"))
-            logs = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name))) if kept else None
-            for log in kept:  # kept for the user; the images go
-                shutil.move(str(log), logs / log.name)  # type: ignore[operator]
+            if kept:
+                logs = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.container_dir(rec.name)))
+                for log in kept:  # kept for the user; the images go
+                    shutil.move(str(log), logs / log.name)
             detail = _last_error_line(proc.stderr)
             if logs is not None and (not detail or "criu failed" in detail):  # runc's own line names no cause
                 detail = _criu_log_tail(logs)
