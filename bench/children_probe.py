@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from workloads.gpt2_server import descendants  # bench/ is this script's directory
+
 
 class Samples:
     def __len__(self) -> int:
@@ -28,25 +30,6 @@ class Samples:
         import torch
 
         return torch.full((4,), float(i))
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    todo, seen = children(pid), []
-    while todo:
-        p = todo.pop()
-        seen.append(p)
-        todo += children(p)
-    return sorted(seen)
 
 
 def describe(pid: int) -> dict[str, object]:

@@ -40,6 +40,21 @@ class LoaderBatches:
         return x, torch.roll(x, 1)
 
 
+def bits_value(tensors) -> int:  # type: ignore[no-untyped-def]
+    """The checked value of GPU tensors: the sum of each one's 32-bit patterns (every bit
+    counts), joined 64 bits apart, once all work on their devices has ended."""
+    import torch
+
+    total = 0
+    for x in tensors:
+        torch.cuda.synchronize(x.device)
+        bits = x.detach().contiguous().view(torch.int32).flatten()
+        # In chunks: a whole-tensor int64 sum would materialise a temporary twice the tensor's
+        # size, which PyTorch's allocator then keeps, tripling the GPU memory the workload holds.
+        total = (total << 64) + sum(int(c.sum(dtype=torch.int64).item()) for c in bits.split(1 << 24))
+    return total
+
+
 def main() -> None:
     out_path = sys.argv[1]
     mode = os.environ.get("WORKER_MODE", "cuda")
@@ -67,18 +82,8 @@ def main() -> None:
             for x in xs:
                 x.mul_(1.0000001).add_(1e-7)
 
-        def one_value(x) -> int:
-            # In chunks: a whole-tensor int64 sum would materialise a temporary twice the tensor's
-            # size, which PyTorch's allocator then keeps, tripling the GPU memory the workload holds.
-            torch.cuda.synchronize(x.device)
-            bits = x.view(torch.int32)
-            return sum(int(c.sum(dtype=torch.int64).item()) for c in bits.split(1 << 24))
-
         def value() -> int:
-            total = 0
-            for x in xs:
-                total = (total << 64) + one_value(x)
-            return total
+            return bits_value(xs)
 
     elif mode == "loader":
         # A training loop as PyTorch users write it: the model on the GPU first, then a DataLoader
@@ -170,16 +175,8 @@ def main() -> None:
             snap.record_stream(copier)
             last[0] = snap
 
-        def one_value(x) -> int:  # type: ignore[no-untyped-def]
-            torch.cuda.synchronize()
-            bits = x.contiguous().view(torch.int32).flatten()
-            return sum(int(c.sum(dtype=torch.int64).item()) for c in bits.split(1 << 24))
-
         def value() -> int:
-            total = 0
-            for x in [ballast, acc, static_y, *model.parameters()]:
-                total = (total << 64) + one_value(x.detach())
-            return total
+            return bits_value([ballast, acc, static_y, *model.parameters()])
 
     elif mode == "compiled":
         # A torch.compile'd step, as a compiled server runs it, with inductor's pool of compile
@@ -206,11 +203,7 @@ def main() -> None:
                 emit("compile workers stopped")
 
         def value() -> int:
-            torch.cuda.synchronize()
-            total = 0
-            for x in (ballast, a):
-                total = (total << 64) + sum(int(c.sum(dtype=torch.int64).item()) for c in x.view(torch.int32).split(1 << 24))
-            return total
+            return bits_value([ballast, a])
 
     elif mode == "managed":
         # CUDA managed (unified) memory, which the checkpoint API refuses: a small allocation only

@@ -27,8 +27,8 @@ import sys  # noqa: E402
 LARGE = dict(n_embd=1280, n_layer=36, n_head=20, n_positions=1024)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc's children lists)."""
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc's children lists; bench/children_probe.py uses it too)."""
     todo, found = [pid], []
     while todo:
         p = todo.pop()
@@ -100,11 +100,12 @@ def serve(path: str, mode: str, batch: int, window: int, sleep: float, keep_comp
             torch.cuda.synchronize()
         # Compiling is done: stop inductor's pool of compile processes, as a server that has
         # warmed up would (they would otherwise sit in every checkpoint). With
-        # --keep-compile-workers they stay, as in a server that never stops them: processes
-        # started by fork + exec, which hold none of the driver's files (bench/children_probe.py).
+        # --keep-compile-workers they stay, as in a server that never stops them: the pool's main
+        # process reads the GPU's properties and forks its workers, which then hold the driver's
+        # files, and gpusnap refuses the checkpoint (bench/results/gpu-h200-suite-2026-11-28-nineteenth).
         workers = "none"
         if keep_compile_workers:
-            workers = f"kept ({len(_descendants(os.getpid()))} processes)"
+            workers = f"kept ({len(descendants(os.getpid()))} processes)"
         else:
             try:
                 from torch._inductor.async_compile import shutdown_compile_workers

@@ -21,6 +21,16 @@ from gpusnap.gpu.unsupported import bystanders_reason
 from gpusnap.metadata import GpuInfo, GpuProcess
 
 
+def container_processes(host: HostPaths, init_pid: int, pids: list[int] | None) -> set[int]:
+    """Every host PID of the container: the cgroup's processes (``pids``, what the shim saw) and
+    its PID namespace's (from ``init_pid``). A process that left the cgroup, or one the cgroup
+    listing missed, is still part of the cut."""
+    found = set(pids or [])
+    if init_pid > 0:
+        found.update(container_pids(host, init_pid))
+    return found
+
+
 @dataclass
 class GpuGroup:
     backend: GpuBackend
@@ -41,11 +51,7 @@ class GpuGroup:
         """Find the GPU processes among the container's PIDs; refuse unsupported ones up front.
         With ``refuse_bystanders`` (a checkpoint, which CRIU follows) also refuse the container
         when one of its other processes holds NVIDIA device files."""
-        # The cgroup's processes (what the shim saw) and the PID namespace's: a process that left
-        # the cgroup, or one the cgroup listing missed, is still part of the cut.
-        found = set(pids or [])
-        if init_pid > 0:
-            found.update(container_pids(host, init_pid))
+        found = container_processes(host, init_pid, pids)
         procs = backend.find_processes(sorted(found))
         for p in procs:
             reason = backend.unsupported_reason(p.host_pid)

@@ -21,7 +21,7 @@ from pathlib import Path
 from gpusnap.config import HostPaths, Settings
 from gpusnap.errors import IncompatibleHostError, MissingDependencyError, RestoreError, UnsupportedError, UsageError
 from gpusnap.gpu.base import ContainerRef, GpuBackend, GpuPlan, NoGpuPlan, ProcessGpuState
-from gpusnap.gpu.group import GpuGroup
+from gpusnap.gpu.group import GpuGroup, container_processes
 from gpusnap.gpu.compat import check_host
 from gpusnap.gpu.procs import container_pids, host_pid_by_ns_pid
 from gpusnap.gpu.selection import assigned_gpus
@@ -101,7 +101,7 @@ class CudaPlan:
         if not criu_error or not any(k in criu_error for k in DEVICE_FILE_ERRORS):
             return None
         host = self.settings.host
-        pids = set(ref.cgroup_procs) | (set(container_pids(host, ref.init_pid)) if ref.init_pid > 0 else set())
+        pids = container_processes(host, ref.init_pid, ref.cgroup_procs)
         cuda = {p.host_pid for p in self._ckpt.group.procs} if self._ckpt.group is not None else set()
         reason = bystanders_reason(host.proc, sorted(pids - cuda))
         if reason is None:

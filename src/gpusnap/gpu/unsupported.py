@@ -39,39 +39,30 @@ def uvm_mappings(proc: Path, pid: int) -> int:
     return sum(1 for line in text.splitlines() if line.rstrip().endswith(" " + UVM_DEVICE))
 
 
-def open_gpu_nodes(proc: Path, pid: int) -> set[str]:
+def open_files(proc: Path, pid: int) -> list[str]:
+    """What the process's file descriptors point at (``/proc/PID/fd`` links); empty when gone."""
     fd_dir = proc / str(pid) / "fd"
-    out: set[str] = set()
     try:
         names = os.listdir(fd_dir)
     except OSError:
-        return out
+        return []
+    out = []
     for name in names:
         try:
-            target = os.readlink(fd_dir / name)
+            out.append(os.readlink(fd_dir / name))
         except OSError:
-            continue
-        if _GPU_NODE.match(target):
-            out.add(target)
+            continue  # closed meanwhile
     return out
+
+
+def open_gpu_nodes(proc: Path, pid: int) -> set[str]:
+    return {t for t in open_files(proc, pid) if _GPU_NODE.match(t)}
 
 
 def nvidia_holdings(proc: Path, pid: int) -> tuple[list[str], int]:
     """The NVIDIA device files ``pid`` has open (each name once, sorted) and how many of its
     memory mappings are of one."""
-    fd_dir = proc / str(pid) / "fd"
-    try:
-        names = os.listdir(fd_dir)
-    except OSError:
-        names = []
-    files: set[str] = set()
-    for name in names:
-        try:
-            target = os.readlink(fd_dir / name)
-        except OSError:
-            continue
-        if target.startswith(NVIDIA_DEVICES):
-            files.add(target)
+    files = {t for t in open_files(proc, pid) if t.startswith(NVIDIA_DEVICES)}
     try:
         maps = (proc / str(pid) / "maps").read_text()
     except OSError:
@@ -83,7 +74,7 @@ def nvidia_holdings(proc: Path, pid: int) -> tuple[list[str], int]:
 
 def uses_nvidia_devices(proc: Path, pid: int) -> bool:
     """True when the process has an NVIDIA device node open (a CUDA process, whatever its state)."""
-    return bool(nvidia_holdings(proc, pid)[0])
+    return any(t.startswith(NVIDIA_DEVICES) for t in open_files(proc, pid))
 
 
 def bystanders_reason(proc: Path, pids: list[int]) -> str | None:
